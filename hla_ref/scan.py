@@ -1,0 +1,86 @@
+"""The work-efficient exclusive scan of Blelloch (1990), for any associative ``combine``.
+
+The scan is what lets a recurrence over n tokens run in O(log n) parallel steps (paper Sec. 4,
+Theorem 4.1): if summaries combine associatively, the prefix summary before every token can be
+built by a tree. ``combine(earlier, later)`` need not be commutative; the order of operands is
+kept everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence, TypeVar
+
+T = TypeVar("T")
+
+
+def blelloch_scan(
+    items: Sequence[T],
+    combine: Callable[[T, T], T],
+    identity: T,
+    *,
+    record: Optional[list] = None,
+) -> List[T]:
+    """Exclusive prefix scan: ``out[t] = items[0] * items[1] * ... * items[t-1]`` (``out[0] = identity``).
+
+    Two passes over a balanced binary tree on ``len(items)`` leaves, padded with ``identity`` to a
+    power of two:
+
+    * up-sweep: each node stores the combination of its leaves (``left * right``);
+    * down-sweep: the root gets ``identity``; a node holding the prefix ``p`` of everything to its
+      left hands ``p`` to its left child and ``p * (left child's sum)`` to its right child.
+
+    ``record``: when a list, one tuple ``(phase, level, left, right)`` is appended per combine,
+    ``phase`` being ``"up"`` or ``"down"``, ``level`` the tree level (0 = leaves' parents in the
+    up-sweep), ``left``/``right`` the array slots combined. Used to draw the tree.
+
+    Returns a list of ``len(items)`` exclusive prefixes, in order.
+    """
+    n = len(items)
+    if n == 0:
+        return []
+    size = 1
+    while size < n:
+        size *= 2
+    tree = list(items) + [identity] * (size - n)
+
+    # Up-sweep (reduce): after level l, slot i (i+1 a multiple of 2^(l+1)) holds its block's sum.
+    step, level = 1, 0
+    while step < size:
+        for right in range(2 * step - 1, size, 2 * step):
+            left = right - step
+            tree[right] = combine(tree[left], tree[right])
+            if record is not None:
+                record.append(("up", level, left, right))
+        step *= 2
+        level += 1
+
+    # Down-sweep: replace sums by exclusive prefixes, walking back down the tree.
+    tree[size - 1] = identity
+    step //= 2
+    level -= 1
+    while step >= 1:
+        for right in range(2 * step - 1, size, 2 * step):
+            left = right - step
+            left_sum = tree[left]
+            tree[left] = tree[right]                      # left child: the parent's prefix
+            tree[right] = combine(tree[right], left_sum)  # right child: prefix, then left block
+            if record is not None:
+                record.append(("down", level, left, right))
+        step //= 2
+        level -= 1
+    return tree[:n]
+
+
+def serial_exclusive_scan(items: Sequence[T], combine: Callable[[T, T], T], identity: T) -> List[T]:
+    """The same prefixes by a left-to-right fold: the definition the tree scan must match."""
+    out, acc = [], identity
+    for x in items:
+        out.append(acc)
+        acc = combine(acc, x)
+    return out
+
+
+def inclusive_scan(items: Sequence[T], combine: Callable[[T, T], T], identity: T) -> List[T]:
+    """Inclusive prefixes ``items[0] * ... * items[t]``: the exclusive tree scan, then one local
+    combine per position ("local inclusion") to add the item itself."""
+    return [combine(p, x) for p, x in zip(blelloch_scan(items, combine, identity), items)]

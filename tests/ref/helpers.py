@@ -1,0 +1,110 @@
+"""Shared pieces of the hla_ref tests: function lookup, random problems, error measures."""
+
+import dataclasses
+import importlib
+import os
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+# Hypothesis budget.  Each property test below runs a brute-force O(n^4) sum per example,
+# so the default is kept small enough for the whole tests/ref run to stay well under two
+# minutes on two cores.  Set HLA_REF_EXAMPLES=500 (say) for a longer local sweep.
+EXAMPLES = int(os.environ.get("HLA_REF_EXAMPLES", "20"))
+PROPERTY = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+# Tolerance for float64 fast form vs brute force.  Unit roundoff is 1.1e-16.  Both sides
+# add at most n^3 = 6.4e4 products of at most 7 factors (n <= 40), in different orders;
+# the worst-case bound n^3 * 7 * u ~ 5e-11 holds for sums of same-sign terms, and random
+# rounding grows like sqrt(n^3) instead (~3e-14).  The signed sums here cancel a little
+# (with normal data the output norm is within ~1e2 of the sum of absolute terms), and the
+# paper's third-order form subtracts G1..G3 from S^K S^Q P, losing about one more digit.
+# 1e-10 relative to the norm of the brute output leaves a margin of ~1e2 over that,
+# and is still eight orders below the O(1) errors of the errata.
+RTOL = 1e-10
+
+
+def func(module, name):
+    """hla_ref.<module>.<name>, looked up when a test runs (so one missing name fails one test)."""
+    return getattr(importlib.import_module(f"hla_ref.{module}"), name)
+
+
+def rel_err(got, want):
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    scale = np.linalg.norm(want)
+    diff = np.linalg.norm(got - want)
+    return diff / scale if scale > 0 else diff
+
+
+def fields(obj):
+    """Field name -> value for a NamedTuple or a dataclass state/segment."""
+    if hasattr(obj, "_asdict"):
+        return dict(obj._asdict())
+    if dataclasses.is_dataclass(obj):
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    raise TypeError(f"not a state/segment: {type(obj)!r}")
+
+
+@dataclasses.dataclass
+class Problem:
+    n: int
+    d: int
+    dv: int
+    gamma: float
+    normalize: bool
+    eps: float
+    chunk_size: int
+    seed: int
+
+    def arrays(self):
+        """Q, K, V for this problem.
+
+        Unnormalized: standard normal entries (signed, so cancellation is exercised).
+        Normalized: the denominator is a signed sum that can cross zero (see the math note),
+        and near a zero num / (den + eps) is ill-conditioned: the comparison would then
+        measure the input's conditioning, not the implementation.  So q, k get entries in
+        [0.1, 1]; every q.k is then >= 0.01 * d > 0, every weight is positive, and den is
+        bounded away from zero (V stays signed).  Signed denominators are covered by a
+        deterministic test on a hand-checked well-conditioned input.
+        """
+        rng = np.random.default_rng(self.seed)
+        if self.normalize:
+            Q = rng.uniform(0.1, 1.0, (self.n, self.d))
+            K = rng.uniform(0.1, 1.0, (self.n, self.d))
+        else:
+            Q = rng.standard_normal((self.n, self.d))
+            K = rng.standard_normal((self.n, self.d))
+        V = rng.standard_normal((self.n, self.dv))
+        return Q, K, V
+
+
+GAMMAS = st.one_of(st.just(1.0), st.sampled_from([0.5, 0.9, 0.99]), st.floats(0.05, 1.0))
+
+
+@st.composite
+def problems(draw, max_n=40, max_d=6):
+    n = draw(st.integers(1, max_n))
+    return Problem(
+        n=n,
+        d=draw(st.integers(1, max_d)),
+        dv=draw(st.integers(1, max_d)),  # drawn independently of d
+        gamma=draw(GAMMAS),
+        normalize=draw(st.booleans()),
+        eps=draw(st.sampled_from([1e-6, 0.0, 0.5])),
+        chunk_size=draw(st.integers(1, n + 8)),  # need not divide n; may exceed it
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+def random_qkv(seed, n, d, dv, dtype=np.float64):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((n, d)).astype(dtype),
+            rng.standard_normal((n, d)).astype(dtype),
+            rng.standard_normal((n, dv)).astype(dtype))
