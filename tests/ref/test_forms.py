@@ -218,3 +218,24 @@ def test_largest_index_twice():
         for u in range(4):
             for j in range(4):
                 assert bool(fn(i, u, j)) == ([i, u, j].count(max(i, u, j)) >= 2)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 64])
+@pytest.mark.parametrize("gamma", [1.0, 0.7])
+def test_chunked_states_hold_the_moments(gamma, chunk_size):
+    """hla2_chunked carries the compact (S, W, z); ahla_chunked carries (P, E, p, e)."""
+    Q, K, V = random_qkv(23, 8, 3, 2)
+    out, state = func("second_order", "hla2_chunked")(Q, K, V, gamma=gamma, chunk_size=chunk_size,
+                                                      return_state=True)
+    assert rel_err(out, brute.hla2(Q, K, V, gamma=gamma)) < RTOL
+    got, m = fields(state), brute.hla2_moments(Q, K, V, gamma)
+    assert rel_err(got["S"], m["S"]) < RTOL
+    assert rel_err(got["W"], m["S"] @ m["C"] - m["G"]) < RTOL
+    assert rel_err(got["z"], m["S"] @ m["m"] - m["h"]) < RTOL
+
+    out, state = func("asymmetric", "ahla_chunked")(Q, K, V, gamma=gamma, chunk_size=chunk_size,
+                                                    return_state=True)
+    assert rel_err(out, brute.ahla(Q, K, V, gamma=gamma)) < RTOL
+    got, m = fields(state), brute.ahla_moments(Q, K, V, gamma)
+    for key in ("P", "E", "p", "e"):
+        assert rel_err(got[key], m[key]) < RTOL, key
