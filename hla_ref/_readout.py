@@ -12,11 +12,6 @@ def read_out(num: np.ndarray, den: np.ndarray, normalize: bool, eps: float) -> n
     return num / (den + eps)[:, None]
 
 
-def empty_output(V: np.ndarray) -> np.ndarray:
-    """The result for an empty sequence: shape (0, dv)."""
-    return np.zeros((0, V.shape[1]), V.dtype)
-
-
 def chunk_decays(c: int, gamma: float, dtype):
     """Decay factors for one chunk of ``c`` tokens at local positions tau = 1..c.
 

@@ -16,8 +16,8 @@ import numpy as np
 from ._checks import (
     check_chunk_size, check_common, check_flag, check_gamma, check_qk, check_token, decay_matrix, with_ones,
 )
-from ._readout import chunk_decays, empty_output, read_out
-from .scan import inclusive_scan
+from ._readout import chunk_decays, read_out
+from .scan import token_scan
 
 __all__ = [
     "AHLAState", "AHLASegment",
@@ -132,14 +132,9 @@ def ahla_combine(A: AHLASegment, B: AHLASegment) -> AHLASegment:
 
 
 def scan_ahla(Q, K, V, gamma, normalize, eps, combine):
-    """Shared body of :func:`ahla_scan` and the published variant."""
-    (n, d), dv = Q.shape, V.shape[1]
-    if n == 0:
-        return empty_output(V)
-    segs = [ahla_segment(Q[t], K[t], V[t], gamma) for t in range(n)]
-    incl = inclusive_scan(segs, combine, ahla_identity(d, dv, Q.dtype))
-    num = np.stack([Q[t] @ s.E for t, s in enumerate(incl)])
-    den = np.array([Q[t] @ s.e for t, s in enumerate(incl)], Q.dtype)
+    """Shared body of :func:`ahla_scan` and the published variant: o_t = q_t^T E, den_t = q_t^T e."""
+    num, den = token_scan(Q, K, V, gamma, ahla_segment, combine, ahla_identity,
+                          lambda q, s: (q @ s.E, q @ s.e))
     return read_out(num, den, normalize, eps)
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Callable, List, Optional, Sequence, TypeVar
 
+import numpy as np
+
 T = TypeVar("T")
 
 
@@ -84,3 +86,18 @@ def inclusive_scan(items: Sequence[T], combine: Callable[[T, T], T], identity: T
     """Inclusive prefixes ``items[0] * ... * items[t]``: the exclusive tree scan, then one local
     combine per position ("local inclusion") to add the item itself."""
     return [combine(p, x) for p, x in zip(blelloch_scan(items, combine, identity), items)]
+
+
+def token_scan(Q, K, V, gamma, segment, combine, identity, read):
+    """Scan one-token segments and read every inclusive prefix out.
+
+    ``segment(q, k, v, gamma)`` builds a token's summary, ``identity(d, dv, dtype)`` the empty one,
+    ``read(q_t, prefix)`` returns the pair (numerator (dv,), denominator scalar) of token t.
+    Returns ``num`` (n, dv) and ``den`` (n,).
+    """
+    (n, d), dv = Q.shape, V.shape[1]
+    segs = [segment(Q[t], K[t], V[t], gamma) for t in range(n)]
+    pairs = [read(Q[t], s) for t, s in enumerate(inclusive_scan(segs, combine, identity(d, dv, Q.dtype)))]
+    num = np.array([p[0] for p in pairs], Q.dtype).reshape(n, dv)
+    den = np.array([p[1] for p in pairs], Q.dtype).reshape(n)
+    return num, den

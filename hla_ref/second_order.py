@@ -19,9 +19,9 @@ import numpy as np
 from ._checks import (
     check_chunk_size, check_common, check_flag, check_gamma, check_qk, check_ridge, check_token, decay_matrix, with_ones,
 )
-from ._readout import chunk_decays, empty_output, read_out
+from ._readout import chunk_decays, read_out
 from .baselines import causal_mask
-from .scan import inclusive_scan
+from .scan import token_scan
 
 __all__ = [
     "HLA2State", "HLA2CompactState", "HLA2Segment",
@@ -206,14 +206,10 @@ def hla2_combine(A: HLA2Segment, B: HLA2Segment) -> HLA2Segment:
 
 
 def scan_hla2(Q, K, V, gamma, normalize, eps, combine):
-    """Shared body of :func:`hla2_scan` and the published variant: scan with ``combine``."""
-    (n, d), dv = Q.shape, V.shape[1]
-    if n == 0:
-        return empty_output(V)
-    segs = [hla2_segment(Q[t], K[t], V[t], gamma) for t in range(n)]
-    incl = inclusive_scan(segs, combine, hla2_identity(d, dv, Q.dtype))
-    num = np.stack([Q[t] @ (s.S @ s.C - s.G) for t, s in enumerate(incl)])
-    den = np.array([Q[t] @ (s.S @ s.m - s.h) for t, s in enumerate(incl)], Q.dtype)
+    """Shared body of :func:`hla2_scan` and the published variant: scan with ``combine``,
+    then o_t = q_t^T (S C - G) and den_t = q_t^T (S m - h) of the inclusive prefix."""
+    num, den = token_scan(Q, K, V, gamma, hla2_segment, combine, hla2_identity,
+                          lambda q, s: (q @ (s.S @ s.C - s.G), q @ (s.S @ s.m - s.h)))
     return read_out(num, den, normalize, eps)
 
 

@@ -22,8 +22,8 @@ import numpy as np
 from ._checks import (
     check_chunk_size, check_common, check_flag, check_gamma, check_qk, check_token, check_variant, decay_matrix, with_ones,
 )
-from ._readout import chunk_decays, empty_output, read_out
-from .scan import inclusive_scan
+from ._readout import chunk_decays, read_out
+from .scan import token_scan
 
 __all__ = [
     "HLA3State", "HLA3PaperState", "HLA3Segment", "HLA3PaperSegment",
@@ -325,16 +325,11 @@ def hla3_scan(Q, K, V, *, gamma: float = 1.0, normalize: bool = False, eps: floa
     Q, K (n, d); V (n, dv) -> (n, dv)."""
     Q, K, V, gamma, normalize, eps = check_common(Q, K, V, gamma, normalize, eps)
     variant = check_variant(variant)
-    (n, d), dv = Q.shape, V.shape[1]
-    if n == 0:
-        return empty_output(V)
     if variant == "masked":
-        make, combine, ident = hla3_segment, hla3_combine, hla3_identity(d, dv, Q.dtype)
+        make, combine, ident = hla3_segment, hla3_combine, hla3_identity
     else:
-        make, combine, ident = hla3_paper_segment, hla3_paper_combine, hla3_paper_identity(d, dv, Q.dtype)
-    incl = inclusive_scan([make(Q[t], K[t], V[t], gamma) for t in range(n)], combine, ident)
-    num = np.stack([Q[t] @ s.F for t, s in enumerate(incl)])
-    den = np.array([Q[t] @ s.f for t, s in enumerate(incl)], Q.dtype)
+        make, combine, ident = hla3_paper_segment, hla3_paper_combine, hla3_paper_identity
+    num, den = token_scan(Q, K, V, gamma, make, combine, ident, lambda q, s: (q @ s.F, q @ s.f))
     return read_out(num, den, normalize, eps)
 
 
