@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.out.relative_to(pathlib.Path.cwd()) if args.out.is_relative_to(pathlib.Path.cwd()) else args.out.name}")
+    print(f"wrote {args.out.name} in {args.out.parent.name}/")
     return 0
 
 

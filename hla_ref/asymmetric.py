@@ -14,7 +14,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ._checks import (
-    check_chunk_size, check_common, check_flag, check_gamma, check_qk, check_token, decay_matrix, with_ones,
+    check_chunk_size, check_common, check_flag, check_gamma, check_qk, check_token,
+    decay_matrix, with_ones,
 )
 from ._readout import chunk_decays, read_out
 from .scan import token_scan

@@ -43,7 +43,8 @@ def softmax_attention(Q, K, V, *, causal: bool = True, scale: float | None = Non
     return (weights @ V).astype(V.dtype, copy=False)
 
 
-def linear_attention(Q, K, V, *, gamma: float = 1.0, normalize: bool = False, eps: float = 1e-6) -> np.ndarray:
+def linear_attention(Q, K, V, *, gamma: float = 1.0, normalize: bool = False,
+                     eps: float = 1e-6) -> np.ndarray:
     """First-order (causal, decayed) linear attention, as an ``n x n`` matrix:
 
     ``o_t = sum_{j <= t} gamma^(t-j) (q_t . k_j) v_j``, i.e. ``((Q K^T) o L o Gamma) V``.

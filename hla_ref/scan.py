@@ -22,7 +22,7 @@ def blelloch_scan(
     *,
     record: Optional[list] = None,
 ) -> List[T]:
-    """Exclusive prefix scan: ``out[t] = items[0] * items[1] * ... * items[t-1]`` (``out[0] = identity``).
+    """Exclusive prefix scan: ``out[t] = items[0] * ... * items[t-1]``, ``out[0] = identity``.
 
     Two passes over a balanced binary tree on ``len(items)`` leaves, padded with ``identity`` to a
     power of two:
@@ -97,7 +97,8 @@ def token_scan(Q, K, V, gamma, segment, combine, identity, read):
     """
     (n, d), dv = Q.shape, V.shape[1]
     segs = [segment(Q[t], K[t], V[t], gamma) for t in range(n)]
-    pairs = [read(Q[t], s) for t, s in enumerate(inclusive_scan(segs, combine, identity(d, dv, Q.dtype)))]
+    prefixes = inclusive_scan(segs, combine, identity(d, dv, Q.dtype))
+    pairs = [read(Q[t], s) for t, s in enumerate(prefixes)]
     num = np.array([p[0] for p in pairs], Q.dtype).reshape(n, dv)
     den = np.array([p[1] for p in pairs], Q.dtype).reshape(n)
     return num, den

@@ -17,7 +17,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ._checks import (
-    check_chunk_size, check_common, check_flag, check_gamma, check_qk, check_ridge, check_token, decay_matrix, with_ones,
+    check_chunk_size, check_common, check_flag, check_gamma, check_qk, check_ridge, check_token,
+    decay_matrix, with_ones,
 )
 from ._readout import chunk_decays, read_out
 from .baselines import causal_mask
@@ -74,7 +75,8 @@ class HLA2State(NamedTuple):
     S: (d, d)   S^K_t  = sum_i gamma^(t-i) k_i k_i^T
     C: (d, dv)  C^QV_t = sum_j gamma^(t-j) q_j v_j^T
     m: (d,)     m^Q_t  = sum_j gamma^(t-j) q_j
-    G: (d, dv)  G_t    = sum_{j < i <= t} gamma^(2t-i-j) k_i k_i^T q_j v_j^T   (the pairs the mask removes)
+    G: (d, dv)  G_t    = sum_{j < i <= t} gamma^(2t-i-j) k_i k_i^T q_j v_j^T
+                         (the pairs i > j that the mask removes)
     h: (d,)     h_t    = G_t with v_j -> 1
     """
     S: np.ndarray
@@ -174,9 +176,9 @@ class HLA2Segment(NamedTuple):
 def hla2_segment(q, k, v, gamma: float = 1.0) -> HLA2Segment:
     """The segment of one token: S = k k^T, C = q v^T, m = q, G = h = 0, rho = gamma."""
     (q, k, v), gamma = check_token(q, k, v), check_gamma(gamma)
-    return HLA2Segment(np.outer(k, k), np.outer(q, v), np.array(q, copy=True),
-                       np.zeros((len(k), len(v)), np.result_type(k, v)), np.zeros(len(k), np.asarray(k).dtype),
-                       float(gamma))
+    d, dv = len(k), len(v)
+    return HLA2Segment(np.outer(k, k), np.outer(q, v), q.copy(), np.zeros((d, dv), k.dtype),
+                       np.zeros(d, k.dtype), gamma)
 
 
 def hla2_identity(d: int, dv: int, dtype=np.float64) -> HLA2Segment:

@@ -20,7 +20,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ._checks import (
-    check_chunk_size, check_common, check_flag, check_gamma, check_qk, check_token, check_variant, decay_matrix, with_ones,
+    check_chunk_size, check_common, check_flag, check_gamma, check_qk, check_token,
+    check_variant, decay_matrix, with_ones,
 )
 from ._readout import chunk_decays, read_out
 from .scan import token_scan
@@ -211,7 +212,8 @@ class HLA3Segment(NamedTuple):
 
 
 def hla3_segment(q, k, v, gamma: float = 1.0) -> HLA3Segment:
-    """One token: S = k k^T, SQ = q q^T, P = k v^T, F = k (k.q)^2 v^T, R = q (q.k) v^T, N = k k^T q q^T."""
+    """One token: S = k k^T, SQ = q q^T, P = k v^T, F = k (k.q)^2 v^T, R = q (q.k) v^T,
+    N = k k^T q q^T."""
     (q, k, v), gamma = check_token(q, k, v), check_gamma(gamma)
     qk = q @ k
     kv = np.outer(k, v)
@@ -386,8 +388,10 @@ def _chunk_paper(q, k, v, state, gamma):
     cdiag = np.einsum("iu,ui->i", Gam - np.eye(c, dtype=dt), X ** 2)  # c_i: u < i
     QP_old = q @ P
     kv = kappa[:, None] * v
-    mixed = (Gam ** 2 * (q @ SK @ q.T)) @ kv + (Gam ** 2 * X) @ (sigma[:, None] * v + kappa[:, None] * QP_old)
-    local = (Gam ** 3 * X) @ (kappa[:, None] * (Wg @ v) + cdiag[:, None] * v) + (Gam ** 3 * (X @ Ws.T)) @ kv
+    mixed = ((Gam ** 2 * (q @ SK @ q.T)) @ kv
+             + (Gam ** 2 * X) @ (sigma[:, None] * v + kappa[:, None] * QP_old))
+    local = ((Gam ** 3 * X) @ (kappa[:, None] * (Wg @ v) + cdiag[:, None] * v)
+             + (Gam ** 3 * (X @ Ws.T)) @ kv)
     out = (g ** 3)[:, None] * (q @ F) + g[:, None] * mixed + local
     # The chunk's own summary, decayed to its last token, then the combine of hla3_paper_combine.
     w2, w3 = to_end ** 2, to_end ** 3
