@@ -26,14 +26,14 @@ Glossary: code names and the paper's symbols
 =====================  ===================================================  =======================
 code                   paper                                                where
 =====================  ===================================================  =======================
-``L``, causal_mask     L, lower-triangular mask with the diagonal           Sec. 2
-``X = Q @ K.T``        QK^T; ``W = X o L`` the masked first-order weights    Sec. 2
+``L``, causal_mask     L, lower-triangular mask with the diagonal           (notation)
+``X = Q @ K.T``        QK^T; ``W = X o L`` the masked first-order weights    (notation)
 ``S`` (HLA2State.S)    S^K_t = sum_i k_i k_i^T                              Sec. 3
 ``C``                  C^QV_t = sum_j q_j v_j^T                             Sec. 3
 ``m``                  m^Q_t = sum_j q_j (normalizer)                       Sec. 3
 ``G``, ``h``           cross-summaries G_t, h_t removing pairs i > j        Theorem 3.1, Alg. 1
 masked=False           unmasked output q_t^T S^K_t C^QV_t                   eq. 3.1
-``ridge``              lambda I added to S^K                                Sec. 3
+``ridge``              the optional lambda I added to S^K                   (optional)
 ``W``, ``z``           compact state S C - G, S m - h (decoder)             (this project)
 ``gamma``, ``rho``     decay per token; rho = gamma^(segment length)        Sec. 4.3
 HLA2Segment, combine   segment summary and its associative operator         Sec. 4, Theorem 4.1
