@@ -38,6 +38,22 @@ def ref_hla2(q, k, v, gamma=None, normalize=False, eps=1e-6):
     return torch.from_numpy(out)
 
 
+def brute_hla2(q, k, v, gamma=None, normalize=False, eps=1e-6):
+    """The index-sum definition of tests/ref/brute.py (float64, O(T^3) memory: small T only),
+    looped over batch and head. Returns [B, T, H, V] float64."""
+    from ref import brute  # tests/ is on sys.path: pytest puts it there for these packages
+
+    B, T, H, _ = q.shape
+    out = np.zeros((B, T, H, v.shape[-1]))
+    qn, kn, vn = (x.detach().double().cpu().numpy() for x in (q, k, v))
+    for b in range(B):
+        for h in range(H):
+            out[b, :, h] = brute.hla2(qn[b, :, h], kn[b, :, h], vn[b, :, h],
+                                      gamma=1.0 if gamma is None else gamma,
+                                      normalize=normalize, eps=eps)
+    return torch.from_numpy(out)
+
+
 def rel(a, b):
     """||a - b|| / ||b|| in float64; NaN anywhere fails."""
     a = a.detach().double().cpu()

@@ -1,7 +1,7 @@
 """The torch backend, the naive forms and the torch decode step against hla_ref (float64)."""
 import pytest
 
-from .helpers import rand_qkv, ref_hla2, rel, torch
+from .helpers import brute_hla2, rand_qkv, ref_hla2, rel, torch
 
 import hla_fast
 from hla_fast.hla2 import hla2_naive_quadratic, hla2_naive_recurrent
@@ -18,6 +18,7 @@ def test_torch_backend_matches_reference(gamma, normalize, chunk_size):
     assert st is None
     assert o.shape == v.shape and o.dtype == v.dtype
     assert rel(o, ref) < 1e-11
+    assert rel(o, brute_hla2(q, k, v, gamma, normalize)) < 1e-11   # the index sums themselves
 
 
 @pytest.mark.parametrize("gamma", [None, 0.7])

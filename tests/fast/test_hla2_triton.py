@@ -6,7 +6,7 @@ Outputs are poisoned with NaN before each check so that an unwritten element fai
 """
 import pytest
 
-from .helpers import rand_qkv, ref_hla2, rel, torch
+from .helpers import brute_hla2, rand_qkv, ref_hla2, rel, torch
 
 import hla_fast
 from hla_fast.hla2.chunk import fwd_launch
@@ -56,6 +56,7 @@ def test_forward_matches_reference(shape, gamma, device, poison):
     o, st = hla_fast.hla2(q, k, v, gamma=gamma, chunk_size=C, backend="triton", output_final_state=True)
     assert o.shape == v.shape and o.dtype == v.dtype
     assert rel(o, ref) < 1e-5
+    assert rel(o, brute_hla2(q, k, v, gamma)) < 1e-5       # the index sums themselves
     o_t, st_t = hla_fast.hla2(q.double().cpu(), k.double().cpu(), v.double().cpu(), gamma=gamma,
                               backend="torch", output_final_state=True)
     assert rel(o, o_t) < 1e-5
@@ -69,6 +70,7 @@ def test_forward_normalized(gamma, device, poison):
     o, st = hla_fast.hla2(q, k, v, gamma=gamma, normalize=True, chunk_size=16, backend="triton",
                           output_final_state=True)
     assert rel(o, ref) < 1e-5
+    assert rel(o, brute_hla2(q, k, v, gamma, normalize=True)) < 1e-5
     assert st.z is not None and st.z.shape == (2, 2, 12)
 
 
