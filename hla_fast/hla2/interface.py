@@ -16,6 +16,16 @@ from .utils import (
 )
 
 
+def _check_common(q, k, v, gamma, normalize, eps, backend, seq):
+    """The checks hla2 and hla2_step share; returns (shape dims, gamma, eps, backend)."""
+    dims = check_qkv(q, k, v, seq=seq)
+    g = check_gamma(gamma)
+    eps = check_eps(eps)
+    if not isinstance(normalize, bool):
+        raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
+    return dims, g, eps, check_backend(backend, q.device)
+
+
 def _check_chunk(chunk_size, backend):
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
         raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
@@ -48,12 +58,7 @@ def hla2(q, k, v, *, gamma=None, normalize=False, eps=1e-6, initial_state=None,
     Returns:
         (o [B, T, H, V] in v's dtype, HLA2State or None).
     """
-    B, T, H, K, V = check_qkv(q, k, v, seq=True)
-    g = check_gamma(gamma)
-    eps = check_eps(eps)
-    if not isinstance(normalize, bool):
-        raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
-    backend = check_backend(backend, q.device)
+    (B, T, H, K, V), g, eps, backend = _check_common(q, k, v, gamma, normalize, eps, backend, seq=True)
     _check_chunk(chunk_size, backend)
     if backend == "triton":
         check_kernel_dtype(q)
@@ -99,12 +104,7 @@ def hla2_step(q, k, v, state=None, *, gamma=None, normalize=False, eps=1e-6, bac
     Returns:
         (o [B, H, V] in v's dtype, new HLA2State). The input state is not modified.
     """
-    B, _, H, K, V = check_qkv(q, k, v, seq=False)
-    g = check_gamma(gamma)
-    eps = check_eps(eps)
-    if not isinstance(normalize, bool):
-        raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
-    backend = check_backend(backend, q.device)
+    (B, _, H, K, V), g, eps, backend = _check_common(q, k, v, gamma, normalize, eps, backend, seq=False)
     sd = state_dtype(q.dtype)
     if state is None:
         state = HLA2State(

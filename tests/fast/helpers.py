@@ -23,35 +23,32 @@ def rand_qkv(B, T, H, K, V, *, seed=0, scale=0.5, positive=False, dtype=None, de
     return [x.to(device=device, dtype=dtype) for x in (q, k, v)]
 
 
-def ref_hla2(q, k, v, gamma=None, normalize=False, eps=1e-6):
-    """hla_ref.hla2_naive in float64, looped over batch and head. Returns [B, T, H, V] float64."""
-    import hla_ref
-
+def _per_head(op, q, k, v, gamma, normalize, eps):
+    """Apply a single-head NumPy operator ``op(Q, K, V, gamma=, normalize=, eps=)`` in float64 to
+    every (batch, head) of q, k: [B, T, H, K], v: [B, T, H, V]. Returns [B, T, H, V] float64."""
     B, T, H, _ = q.shape
     out = np.zeros((B, T, H, v.shape[-1]))
     qn, kn, vn = (x.detach().double().cpu().numpy() for x in (q, k, v))
     for b in range(B):
         for h in range(H):
-            out[b, :, h] = hla_ref.hla2_naive(qn[b, :, h], kn[b, :, h], vn[b, :, h],
-                                              gamma=1.0 if gamma is None else gamma,
-                                              normalize=normalize, eps=eps)
+            out[b, :, h] = op(qn[b, :, h], kn[b, :, h], vn[b, :, h],
+                              gamma=1.0 if gamma is None else gamma, normalize=normalize, eps=eps)
     return torch.from_numpy(out)
+
+
+def ref_hla2(q, k, v, gamma=None, normalize=False, eps=1e-6):
+    """hla_ref.hla2_naive in float64, per batch and head. Returns [B, T, H, V] float64."""
+    import hla_ref
+
+    return _per_head(hla_ref.hla2_naive, q, k, v, gamma, normalize, eps)
 
 
 def brute_hla2(q, k, v, gamma=None, normalize=False, eps=1e-6):
     """The index-sum definition of tests/ref/brute.py (float64, O(T^3) memory: small T only),
-    looped over batch and head. Returns [B, T, H, V] float64."""
+    per batch and head. Returns [B, T, H, V] float64."""
     from ref import brute  # tests/ is on sys.path: pytest puts it there for these packages
 
-    B, T, H, _ = q.shape
-    out = np.zeros((B, T, H, v.shape[-1]))
-    qn, kn, vn = (x.detach().double().cpu().numpy() for x in (q, k, v))
-    for b in range(B):
-        for h in range(H):
-            out[b, :, h] = brute.hla2(qn[b, :, h], kn[b, :, h], vn[b, :, h],
-                                      gamma=1.0 if gamma is None else gamma,
-                                      normalize=normalize, eps=eps)
-    return torch.from_numpy(out)
+    return _per_head(brute.hla2, q, k, v, gamma, normalize, eps)
 
 
 def rel(a, b):
