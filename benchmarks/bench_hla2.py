@@ -181,10 +181,17 @@ def write_report(res, out, tag):
             lines.append(f"| {r['K']} | {r['T']} | " + " | ".join(cells) + f" | {tf:.0f} |" if tf else
                          f"| {r['K']} | {r['T']} | " + " | ".join(cells) + " | - |")
     if res.get("variants"):
-        lines += ["", "Kernel layouts at the largest T:", "", "| K=V | pass | layout | chunk | ms |",
-                  "|---|---|---|---|---|"]
+        lines += ["", "Kernel layouts (direct kernel launches, gamma = 0.999):", "",
+                  "| K=V | T | pass | layout | segments | stages | chunk | ms |", "|---|---|---|---|---|---|---|---|"]
         for r in res["variants"]:
-            lines.append(f"| {r['K']} | {r['pass']} | {r['mode']} | {r['chunk']} | {r.get('ms', float('nan')):.3f} |")
+            lines.append(f"| {r['K']} | {r.get('T', '-')} | {r['pass']} | {r['mode']} | {r.get('segments', 1)} | "
+                         f"{r.get('num_stages', 1)} | {r['chunk']} | {r.get('ms', float('nan')):.3f} |")
+    if res.get("wide"):
+        lines += ["", "Wide heads, K = V = 256 (median ms):", "",
+                  "| T | hla_fast fwd | hla_fast fwd+bwd | sdpa fwd | sdpa fwd+bwd |", "|---|---|---|---|---|"]
+        for r in res["wide"]:
+            cells = [r.get(f"{c}_{s}_ms") for c in ("hla_fast", "sdpa") for s in ("fwd", "fwdbwd")]
+            lines.append(f"| {r['T']} | " + " | ".join(f"{x:.3f}" if isinstance(x, float) else "-" for x in cells) + " |")
     if res.get("decode"):
         d = res["decode"]
         lines += ["", f"Decode B={d['B']} H={d['H']} K=V={d['K']}: {d['ms'] * 1e3:.1f} us, "
@@ -197,10 +204,13 @@ def write_report(res, out, tag):
         lines += ["", "| T | rel. err fp32 | rel. err bf16 |", "|---|---|---|"]
         for r in res["accuracy"]:
             lines.append(f"| {r['T']} | {r['fp32']:.1e} | {r['bf16']:.1e} |")
-    lines += ["", "Targets (T=32k, K=V=64; decode B=64, H=16, K=V=128):", ""]
+    if res["targets"]:
+        lines += ["", "Targets (T=32k, K=V=64; decode B=64, H=16, K=V=128):", ""]
     for name, v in res["targets"].items():
         lines.append(f"- {name}: {'met' if v.get('met') else 'NOT met'} "
                      f"({json.dumps({k_: v_ for k_, v_ in v.items() if k_ != 'met'}, default=str)})")
+    if res.get("notes"):
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in res["notes"]]
     with open(os.path.join(out, f"hla2_{tag}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -217,7 +227,7 @@ def main():
     ap.add_argument("--dims", default="64,128", help="comma list of K=V head sizes")
     ap.add_argument("--only", default="", help="comma list of baselines to time (default: all)")
     ap.add_argument("--from-json", default=None, help="only rebuild the report from a results JSON")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: variants,main,decode,accuracy")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: variants,wide,main,decode,accuracy")
     args = ap.parse_args()
     skip = set(s for s in args.skip.split(",") if s)
     if args.from_json:
@@ -277,27 +287,56 @@ def main():
         print("decode", res["decode"], flush=True)
         save()
 
-    # -- layouts: forward fused vs two-pass, backward split vs fused (largest T) ----------
+    # -- layouts: forward segments / stages / two-pass, backward split vs fused ----------
     if "variants" not in skip:
         res["variants"] = []
-        Tv = Ts[-1]
+        fwd_layouts = [("fused", 1, 1), ("fused", 1, 2), ("fused", 2, 1), ("fused", 4, 1), ("fused", 8, 1),
+                       ("fused", 16, 1), ("fused", None, 1), ("fused", None, 2), ("two_pass", 1, 1)]
         for D in Ds:
-            q, k, v = make_inputs(B, Tv, H, D, D)
+            for Tv in sorted({Ts[-1], min(2048, Ts[-1])}, reverse=True):
+                q, k, v = make_inputs(B, Tv, H, D, D)
+                do = torch.randn_like(v)
+                Cb = chunk.bwd_chunk_size(D, D, 64)
+                runs = [("fwd", m, sg, st) for m, sg, st in fwd_layouts] + [("bwd", "split", None, 1),
+                                                                           ("bwd", "fused", None, 1)]
+                for kind, mode, seg, stages in runs:
+                    row = {"K": D, "V": D, "T": Tv, "pass": kind, "mode": mode, "chunk": 64 if kind == "fwd" else Cb,
+                           "segments": "auto" if seg is None else seg, "num_stages": stages}
+                    try:
+                        if kind == "fwd":
+                            fn = lambda: chunk.fwd_launch(q, k, v, 0.999, None, None, 64, mode=mode, store_final=False,
+                                                          segments=seg, num_stages=stages)
+                        else:
+                            fn = lambda: chunk.bwd_launch(q, k, v, do, 0.999, None, None, None, None, Cb, mode=mode)
+                        row["ms"] = median_ms(fn)
+                    except Exception as e:  # noqa: BLE001
+                        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    res["variants"].append(row)
+                    print("variant", row, flush=True)
+                    save()
+                del q, k, v, do
+                torch.cuda.empty_cache()
+
+    # -- wide heads (K = V = 256: feature-block pairs and value blocks) against SDPA ------
+    if "wide" not in skip:
+        res["wide"] = []
+        for T in ([1024] if args.quick else [1024, 4096, 16384]):
+            q, k, v = make_inputs(B, T, H, 256, 256)
             do = torch.randn_like(v)
-            Cb = 64 if D <= 64 else 32
-            for kind, mode in (("fwd", "fused"), ("fwd", "two_pass"), ("bwd", "split"), ("bwd", "fused")):
-                row = {"K": D, "V": D, "T": Tv, "pass": kind, "mode": mode, "chunk": 64 if kind == "fwd" else Cb}
+            row = {"B": B, "H": H, "T": T, "K": 256, "V": 256}
+            cands = {"hla_fast": lambda q, k, v: hla_fast.hla2(q, k, v, gamma=0.999)[0],
+                     "sdpa": lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+                         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)}
+            for name, fn in cands.items():
                 try:
-                    if kind == "fwd":
-                        fn = lambda: chunk.fwd_launch(q, k, v, 0.999, None, None, 64, mode=mode, store_final=False)
-                    else:
-                        fn = lambda: chunk.bwd_launch(q, k, v, do, 0.999, None, None, None, None, Cb, mode=mode)
-                    row["ms"] = median_ms(fn)
+                    with torch.no_grad():
+                        row[f"{name}_fwd_ms"] = median_ms(lambda: fn(q, k, v))
+                    row[f"{name}_fwdbwd_ms"] = median_ms(fwd_bwd(fn, (q, k, v), do))
                 except Exception as e:  # noqa: BLE001
-                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                res["variants"].append(row)
-                print("variant", row, flush=True)
-                save()
+                    row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            res["wide"].append(row)
+            print("wide", row, flush=True)
+            save()
             del q, k, v, do
             torch.cuda.empty_cache()
 

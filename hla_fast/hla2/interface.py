@@ -4,7 +4,6 @@ from __future__ import annotations
 import torch
 
 from .utils import (
-    TRITON_MAX_DIM,
     HLA2State,
     check_backend,
     check_eps,
@@ -68,26 +67,18 @@ def hla2(q, k, v, *, gamma=None, normalize=False, eps=1e-6, initial_state=None,
 
         o, final = hla2_torch(q, k, v, g, normalize, eps, st, chunk_size)
         return o, (final if output_final_state else None)
-    from .chunk import HLA2ChunkFunction, fwd_config
+    from .chunk import hla2_unnormalized
 
-    if K > TRITON_MAX_DIM or V > TRITON_MAX_DIM:
-        name, size = ("K", K) if K > TRITON_MAX_DIM else ("V", V)
-        raise ValueError(
-            f"backend='triton' holds each head's state on chip and takes head sizes up to {TRITON_MAX_DIM}; "
-            f"got {name}={size} (q, k: K; v: V). Use backend='torch' for larger heads."
-        )
     qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
-    mode, block_v = fwd_config(B * H, K, V)
-    bwd_chunk = min(chunk_size, 64 if max(K, V) <= 64 else 32)
     s0 = st.S.contiguous() if st is not None else None
     w0 = st.W.contiguous() if st is not None else None
-    o, sT, wT = HLA2ChunkFunction.apply(qc, kc, vc, s0, w0, g, chunk_size, mode, bwd_chunk, block_v)
+    o, sT, wT = hla2_unnormalized(qc, kc, vc, g, s0, w0, chunk_size)
     zT = None
     if normalize:
         # the denominator is the same operator with v -> 1: a second pass on a one-column value
         ones = torch.ones_like(vc[..., :1])
         z0 = st.z[..., None].contiguous() if st is not None else None
-        den, _, zT = HLA2ChunkFunction.apply(qc, kc, ones, s0, z0, g, chunk_size, mode, bwd_chunk, None)
+        den, _, zT = hla2_unnormalized(qc, kc, ones, g, s0, z0, chunk_size)
         o = (o.float() / (den.float() + eps)).to(v.dtype)
         zT = zT[..., 0]
     final = HLA2State(sT, wT, zT)

@@ -8,8 +8,6 @@ import torch
 
 MIN_DIM = 16
 MAX_DIM = 256
-# the chunk kernels keep a head's K x K and K x V state in registers: 128 is the most that fits
-TRITON_MAX_DIM = 128
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TORCH_DTYPES = _KERNEL_DTYPES + (torch.float64,)
 

@@ -77,11 +77,14 @@ def test_gradients_long(dtype, KV, mode, poison, monkeypatch):  # noqa: F811
     W0 = torch.randn(B, H, K, V, device="cuda") * 0.1
     do = torch.randn(B, T, H, V, device="cuda", dtype=torch.float64)
 
+    # fp32 ("ieee") kernels are unrolled FMA loops: 16-row chunks keep their compile time short
+    C = 16 if dtype == torch.float32 else 64
+
     def run(dt, backend):
         sd = torch.float64 if dt == torch.float64 else torch.float32
         leaves = [x.detach().to(dt if i < 3 else sd).requires_grad_() for i, x in enumerate((q, k, v, S0, W0))]
         o, _ = hla_fast.hla2(*leaves[:3], gamma=0.999, initial_state=hla_fast.HLA2State(leaves[3], leaves[4]),
-                             backend=backend)
+                             backend=backend, chunk_size=C)
         (o.double() * do).sum().backward()
         return [x.grad for x in leaves]
 
@@ -92,7 +95,59 @@ def test_gradients_long(dtype, KV, mode, poison, monkeypatch):  # noqa: F811
         assert rel(a, b) < tol, name
 
 
-@pytest.mark.parametrize("K,V", [(128, 128), (96, 80)])
+@pytest.mark.parametrize("K,V", [(256, 256), (200, 72), (64, 256), (256, 16)])
+def test_wide_heads_forward(K, V, poison):  # noqa: F811
+    # heads wider than a 128-feature tile: feature-block pairs and value blocks
+    q, k, v = rand_qkv(1, 1000, 2, K, V, seed=K * V, scale=0.15, device="cuda", dtype=torch.bfloat16)
+    want, st_want = _ref64(q, k, v, gamma=0.99)
+    o, st = hla_fast.hla2(q, k, v, gamma=0.99, output_final_state=True)
+    assert rel(o, want) < TOL[torch.bfloat16]
+    assert rel(st.S, st_want.S) < TOL[torch.bfloat16] and rel(st.W, st_want.W) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype,K,V", [(torch.bfloat16, 256, 192), (torch.float32, 160, 48)])
+def test_wide_heads_gradients(dtype, K, V, poison):  # noqa: F811
+    T, B, H = 515, 1, 2
+    C = 16 if dtype == torch.float32 else 64  # short compile of the fp32 ("ieee") kernels
+    q, k, v = rand_qkv(B, T, H, K, V, seed=5, scale=0.15, device="cuda", dtype=dtype)
+    do = torch.randn(B, T, H, V, device="cuda", dtype=torch.float64)
+    S0 = torch.randn(B, H, K, K, device="cuda") * 0.02
+    W0 = torch.randn(B, H, K, V, device="cuda") * 0.02
+
+    def run(dt, backend):
+        sd = torch.float64 if dt == torch.float64 else torch.float32
+        leaves = [x.detach().to(dt if i < 3 else sd).requires_grad_() for i, x in enumerate((q, k, v, S0, W0))]
+        o, _ = hla_fast.hla2(*leaves[:3], gamma=0.99, initial_state=hla_fast.HLA2State(leaves[3], leaves[4]),
+                             backend=backend, chunk_size=C)
+        (o.double() * do).sum().backward()
+        return [x.grad for x in leaves]
+
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    for name, a, b in zip(["dq", "dk", "dv", "dS0", "dW0"], run(dtype, "triton"), run(torch.float64, "torch")):
+        assert rel(a, b) < tol, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_segments_equal_one_walk(dtype, poison, monkeypatch):  # noqa: F811
+    # the segmented forward (summaries, fold, parallel segments) against a single walk
+    import importlib
+
+    chunk = importlib.import_module("hla_fast.hla2.chunk")
+    q, k, v = rand_qkv(2, 8191, 3, 64, 64, seed=6, scale=0.3, device="cuda", dtype=dtype)
+    S0 = torch.randn(2, 3, 64, 64, device="cuda") * 0.1
+    W0 = torch.randn(2, 3, 64, 64, device="cuda") * 0.1
+    st0 = hla_fast.HLA2State(S0, W0)
+    outs = []
+    for nseg in (1, 7, 128):
+        monkeypatch.setattr(chunk, "FWD_SEGMENTS", nseg)
+        outs.append(hla_fast.hla2(q, k, v, gamma=0.999, initial_state=st0, output_final_state=True))
+    want, st_want = _ref64(q, k, v, gamma=0.999, initial_state=hla_fast.HLA2State(S0.double(), W0.double()))
+    for o, st in outs:
+        assert rel(o, want) < TOL[dtype]
+        assert rel(st.S, st_want.S) < TOL[dtype] and rel(st.W, st_want.W) < TOL[dtype]
+
+
+@pytest.mark.parametrize("K,V", [(128, 128), (96, 80), (256, 256)])
 @pytest.mark.parametrize("normalize", [False, True])
 def test_decode_gpu(K, V, normalize, poison):  # noqa: F811
     B, H = 8, 4

@@ -191,5 +191,7 @@ def test_backward_layouts_agree(gamma, device, poison):
     g = 1.0 if gamma is None else gamma
     a = chunk.bwd_launch(q, k, v, do, g, S0, W0, dS, dW, 16, mode="split")
     b = chunk.bwd_launch(q, k, v, do, g, S0, W0, dS, dW, 16, mode="fused")
+    assert a[2] is None and a[3] is None  # dq2, dk2: only for the cross operator
     for x, y in zip(a, b):
-        assert rel(x, y) < 1e-5
+        if x is not None:
+            assert rel(x, y) < 1e-5

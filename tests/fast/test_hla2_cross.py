@@ -1,0 +1,183 @@
+"""The cross operator behind wide heads, segmented forwards and value blocks.
+
+The kernels compute o_t = sum_{i <= j <= t} g^(2t-i-j) (q_t . k_i)(q2_j . k2_i) v_j;
+HLA2 is q2 = q, k2 = k. A head wider than one tile is the sum of this operator over
+pairs of feature blocks. Truth here: that index sum written out in float64 torch
+(and, for states, the token recurrence it satisfies), differentiated by autograd.
+"""
+import importlib
+
+import pytest
+
+from .helpers import rand_qkv, ref_hla2, rel, torch
+from .test_hla2_triton import poison  # noqa: F401  (fixture)
+
+import hla_fast
+
+chunk = importlib.import_module("hla_fast.hla2.chunk")
+
+
+def cross_index_sum(q, k, q2, k2, v, g):
+    """o [B, T, H, V] = sum_{i <= j <= t} g^(2t-i-j) (q_t . k_i)(q2_j . k2_i) v_j, float64."""
+    T = q.shape[1]
+    t = torch.arange(T, dtype=torch.float64)
+    x = torch.einsum("bthd,bihd->bhti", q, k)          # q_t . k_i
+    y = torch.einsum("bjhd,bihd->bhij", q2, k2)        # q2_j . k2_i
+    ti, ii, jj = torch.meshgrid(t, t, t, indexing="ij")
+    w = torch.where((ii <= jj) & (jj <= ti), g ** (2 * ti - ii - jj), torch.zeros(()))  # [t, i, j]
+    return torch.einsum("bhti,bhij,tij,bjhv->bthv", x, y, w, v)
+
+
+def cross_recurrence(q, k, q2, k2, v, g, S0=None, W0=None):
+    """Token recurrence of the cross operator from a start state, float64:
+    S_t = g S_{t-1} + k_t k2_t^T,  W_t = g^2 W_{t-1} + (S_t q2_t) v_t^T,  o_t = q_t^T W_t."""
+    B, T, H, K = q.shape
+    K2, V = q2.shape[-1], v.shape[-1]
+    S = q.new_zeros(B, H, K, K2) if S0 is None else S0
+    W = q.new_zeros(B, H, K, V) if W0 is None else W0
+    outs = []
+    for s in range(T):
+        S = g * S + k[:, s, :, :, None] * k2[:, s, :, None, :]
+        u = (S @ q2[:, s, :, :, None])[..., 0]
+        W = g * g * W + u[..., :, None] * v[:, s, :, None, :]
+        outs.append((q[:, s, :, None, :] @ W)[..., 0, :])
+    return torch.stack(outs, 1), S, W
+
+
+def _cross_inputs(device, B=1, T=37, H=2, K=12, K2=20, V=24, seed=30):
+    q, k, v = rand_qkv(B, T, H, K, V, seed=seed, device=device)
+    q2, k2, _ = rand_qkv(B, T, H, K2, 1, seed=seed + 1, device=device)
+    return q, k, q2, k2, v
+
+
+def test_recurrence_is_the_index_sum():
+    q, k, q2, k2, v = (x.double() for x in _cross_inputs("cpu"))
+    o, _, _ = cross_recurrence(q, k, q2, k2, v, 0.9)
+    assert rel(o, cross_index_sum(q, k, q2, k2, v, 0.9)) < 1e-12
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+@pytest.mark.parametrize("mode", ["fused", "two_pass"])
+def test_cross_forward(gamma, mode, device, poison):  # noqa: F811
+    q, k, q2, k2, v = _cross_inputs(device)
+    o, S, W, _ = chunk.fwd_launch(q, k, v, gamma, None, None, 16, mode=mode, q2=q2, k2=k2, block_v=16)
+    d64 = [x.double().cpu() for x in (q, k, q2, k2, v)]
+    assert rel(o, cross_index_sum(*d64, gamma)) < 1e-5
+    _, S_ref, W_ref = cross_recurrence(*d64, gamma)
+    assert S.shape == (1, 2, 12, 20) and rel(S, S_ref) < 1e-5 and rel(W, W_ref) < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["split", "fused"])
+@pytest.mark.parametrize("gamma", [1.0, 0.85])
+def test_cross_gradients(mode, gamma, device, poison):  # noqa: F811
+    """Every gradient of the cross operator (q, k, q2, k2, v, S0, W0) against float64 autograd,
+    with a loss that also reads the final state."""
+    q, k, q2, k2, v = _cross_inputs(device, T=41, K=20, K2=12, V=16)
+    gen = torch.Generator().manual_seed(31)
+    S0 = torch.randn(1, 2, 20, 12, generator=gen) * 0.3
+    W0 = torch.randn(1, 2, 20, 16, generator=gen) * 0.3
+    do = torch.randn(1, 41, 2, 16, generator=gen)
+    dS = torch.randn(1, 2, 20, 12, generator=gen)
+    dW = torch.randn(1, 2, 20, 16, generator=gen)
+    got = chunk.bwd_launch(q, k, v, do.to(device), gamma, S0.to(device), W0.to(device), dS.to(device),
+                           dW.to(device), 16, mode=mode, q2=q2, k2=k2)
+    leaves = [x.detach().double().cpu().requires_grad_() for x in (q, k, q2, k2, v, S0, W0)]
+    o, S, W = cross_recurrence(*leaves[:5], gamma, leaves[5], leaves[6])
+    ((o * do.double()).sum() + (S * dS.double()).sum() + (W * dW.double()).sum()).backward()
+    want = [x.grad for x in leaves]
+    names = ["dq", "dk", "dq2", "dk2", "dv", "dS0", "dW0"]
+    order = [0, 1, 2, 3, 4, 5, 6]
+    for name, i in zip(names, order):
+        assert rel(got[i], want[i]) < 1e-4, name
+
+
+@pytest.mark.parametrize("segments", [2, 3, 5])
+@pytest.mark.parametrize("init", [False, True])
+def test_segmented_forward_equals_one_segment(segments, init, device, poison):  # noqa: F811
+    """Segments run in parallel from start states folded from their summaries; outputs,
+    final state and stored chunk states equal the one-segment walk (T = 85: 6 chunks of 16)."""
+    q, k, v = rand_qkv(2, 85, 2, 16, 24, seed=32, device=device)
+    S0 = torch.randn(2, 2, 16, 16, device=device) * 0.2 if init else None
+    W0 = torch.randn(2, 2, 16, 24, device=device) * 0.2 if init else None
+    a = chunk.fwd_launch(q, k, v, 0.9, S0, W0, 16, mode="fused", block_v=16, segments=1)
+    b = chunk.fwd_launch(q, k, v, 0.9, S0, W0, 16, mode="fused", block_v=16, segments=segments)
+    for x, y in zip(a[:3], b[:3]):
+        assert rel(y, x) < 1e-5
+    ref = ref_hla2(q, k, v, 0.9) if not init else None
+    if ref is not None:
+        assert rel(b[0], ref) < 1e-5
+    sa = chunk.fwd_launch(q, k, v, 0.9, S0, W0, 16, mode="states", block_v=16, segments=1)
+    sb = chunk.fwd_launch(q, k, v, 0.9, S0, W0, 16, mode="states", block_v=16, segments=segments)
+    for x, y in zip(sa[3] + sa[1:3], sb[3] + sb[1:3]):
+        assert rel(y, x) < 1e-5
+
+
+def test_segments_through_hla2(monkeypatch, device, poison):  # noqa: F811
+    monkeypatch.setattr(chunk, "FWD_SEGMENTS", 3)
+    q, k, v = rand_qkv(1, 70, 2, 16, 8, seed=33, device=device)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    o, st = hla_fast.hla2(*leaves, gamma=0.95, chunk_size=16, backend="triton", output_final_state=True)
+    assert rel(o, ref_hla2(q, k, v, 0.95)) < 1e-5
+    o.sum().backward()
+    d64 = [x.detach().double().cpu().requires_grad_() for x in (q, k, v)]
+    o64, st64 = hla_fast.hla2(*d64, gamma=0.95, backend="torch", output_final_state=True)
+    o64.sum().backward()
+    assert rel(st.S, st64.S) < 1e-5 and rel(st.W, st64.W) < 1e-5
+    for a, b in zip(leaves, d64):
+        assert rel(a.grad, b.grad) < 1e-4
+
+
+@pytest.mark.parametrize("K,V", [(150, 12), (20, 140), (133, 131)])
+def test_wide_heads(K, V, device, poison):  # noqa: F811
+    """Heads wider than one 128-feature tile: feature-block pairs (K) and value blocks (V),
+    forward, final state and every gradient, against the float64 torch path."""
+    B, T, H = 1, 19, 1
+    q, k, v = rand_qkv(B, T, H, K, V, seed=K + V, scale=0.2, device=device)
+    gen = torch.Generator().manual_seed(34)
+    S0 = torch.randn(B, H, K, K, generator=gen) * 0.05
+    W0 = torch.randn(B, H, K, V, generator=gen) * 0.05
+    w_o = torch.randn(B, T, H, V, generator=gen, dtype=torch.float64)
+    w_s = torch.randn(B, H, K, K, generator=gen, dtype=torch.float64)
+    w_w = torch.randn(B, H, K, V, generator=gen, dtype=torch.float64)
+
+    def run(dtype, dev, backend):
+        leaves = [x.detach().to(dev, dtype).requires_grad_() for x in (q, k, v, S0, W0)]
+        o, fin = hla_fast.hla2(*leaves[:3], gamma=0.9, initial_state=hla_fast.HLA2State(leaves[3], leaves[4]),
+                               output_final_state=True, chunk_size=16, backend=backend)
+        loss = (o * w_o.to(dev, dtype)).sum() + (fin.S * w_s.to(dev, dtype)).sum()
+        (loss + (fin.W * w_w.to(dev, dtype)).sum()).backward()
+        return [o, fin.S, fin.W] + [x.grad for x in leaves]
+
+    got = run(torch.float32, device, "triton")
+    want = run(torch.float64, "cpu", "torch")
+    for name, a, b in zip(["o", "S", "W", "dq", "dk", "dv", "dS0", "dW0"], got, want):
+        assert rel(a, b) < 1e-4, name
+
+
+@pytest.mark.parametrize("K", [1, 64, 128, 129, 150, 200, 256])
+@pytest.mark.parametrize("width", [64, 128])
+def test_feature_blocks_tile_the_head(K, width, monkeypatch):
+    monkeypatch.setattr(chunk, "FEATURE_BLOCK", width)
+    blocks = chunk._feature_blocks(K)
+    assert blocks[0][0] == 0 and blocks[-1][1] == K
+    assert all(a1 == b0 for (_, a1), (b0, _) in zip(blocks, blocks[1:]))   # contiguous, no gap
+    sizes = [b - a for a, b in blocks]
+    assert max(sizes) <= (chunk.TILE_MAX if K <= chunk.TILE_MAX else width)
+    assert max(sizes) - min(sizes) <= 1                                     # as even as possible
+    vb = chunk._value_blocks(K)
+    assert vb[0][0] == 0 and vb[-1][1] == K and max(b - a for a, b in vb) <= chunk.TILE_MAX
+
+
+def test_two_128_wide_blocks(monkeypatch, device, poison):  # noqa: F811
+    """The 128-wide block split (one cross pair each way) gives the same operator."""
+    monkeypatch.setattr(chunk, "FEATURE_BLOCK", 128)
+    q, k, v = rand_qkv(1, 21, 1, 140, 8, seed=35, scale=0.2, device=device)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    o, st = hla_fast.hla2(*leaves, gamma=0.9, chunk_size=16, backend="triton", output_final_state=True)
+    o.sum().backward()
+    d64 = [x.detach().double().cpu().requires_grad_() for x in (q, k, v)]
+    o64, st64 = hla_fast.hla2(*d64, gamma=0.9, backend="torch", output_final_state=True)
+    o64.sum().backward()
+    assert rel(o, o64) < 1e-5 and rel(st.S, st64.S) < 1e-5 and rel(st.W, st64.W) < 1e-5
+    for a, b in zip(leaves, d64):
+        assert rel(a.grad, b.grad) < 1e-4
