@@ -181,3 +181,18 @@ def test_two_128_wide_blocks(monkeypatch, device, poison):  # noqa: F811
     assert rel(o, o64) < 1e-5 and rel(st.S, st64.S) < 1e-5 and rel(st.W, st64.W) < 1e-5
     for a, b in zip(leaves, d64):
         assert rel(a.grad, b.grad) < 1e-4
+
+
+def test_wide_head_normalized_with_carry_over(device, poison):  # noqa: F811
+    """normalize=True on a 140-wide head (the denominator runs through the same block pairs),
+    in two pieces with the state passed on."""
+    q, k, v = rand_qkv(1, 30, 1, 140, 6, seed=36, positive=True, scale=0.1, device=device)
+    kw = dict(gamma=0.9, normalize=True, chunk_size=16, backend="triton", output_final_state=True)
+    o1, st = hla_fast.hla2(q[:, :13], k[:, :13], v[:, :13], **kw)
+    o2, st2 = hla_fast.hla2(q[:, 13:], k[:, 13:], v[:, 13:], initial_state=st, **kw)
+    want = ref_hla2(q, k, v, 0.9, normalize=True)
+    assert rel(torch.cat([o1, o2], 1), want) < 1e-5
+    d64 = [x.double().cpu() for x in (q, k, v)]
+    _, st64 = hla_fast.hla2(*d64, gamma=0.9, normalize=True, backend="torch", output_final_state=True)
+    for a, b in zip(st2, st64):
+        assert rel(a, b) < 1e-5
