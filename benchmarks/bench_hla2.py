@@ -297,8 +297,8 @@ def main():
                 q, k, v = make_inputs(B, Tv, H, D, D)
                 do = torch.randn_like(v)
                 Cb = chunk.bwd_chunk_size(D, D, 64)
-                runs = [("fwd", m, sg, st) for m, sg, st in fwd_layouts] + [("bwd", "split", None, 1),
-                                                                           ("bwd", "fused", None, 1)]
+                runs = [("fwd", m, sg, st) for m, sg, st in fwd_layouts]
+                runs += [("bwd", m, sg, 1) for m in ("split", "fused") for sg in (1, 2, 4, 8)]
                 for kind, mode, seg, stages in runs:
                     row = {"K": D, "V": D, "T": Tv, "pass": kind, "mode": mode, "chunk": 64 if kind == "fwd" else Cb,
                            "segments": "auto" if seg is None else seg, "num_stages": stages}
@@ -307,7 +307,8 @@ def main():
                             fn = lambda: chunk.fwd_launch(q, k, v, 0.999, None, None, 64, mode=mode, store_final=False,
                                                           segments=seg, num_stages=stages)
                         else:
-                            fn = lambda: chunk.bwd_launch(q, k, v, do, 0.999, None, None, None, None, Cb, mode=mode)
+                            fn = lambda: chunk.bwd_launch(q, k, v, do, 0.999, None, None, None, None, Cb, mode=mode,
+                                                          segments=seg)
                         row["ms"] = median_ms(fn)
                     except Exception as e:  # noqa: BLE001
                         row["error"] = f"{type(e).__name__}: {str(e)[:200]}"

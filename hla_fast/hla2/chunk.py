@@ -12,7 +12,10 @@ The kernels live in ``chunk_kernels.py``; this module chooses their layouts:
   then (two_pass) one program per chunk computes the outputs (MODE 2).
 * backward: recompute the chunk-start states (MODE 1), then either ``split`` (a
   sequential pass for the state gradients, then one program per chunk for dq, dk, dv)
-  or ``fused`` (one program per head walks the chunks backwards).
+  or ``fused`` (one program per head walks the chunks backwards). Either walk can be cut
+  into segments too (``segments``/``BWD_SEGMENTS``): each segment's backward summary
+  ``(dS, dW, P)`` from a zero end gradient, a fold from the last segment to the first
+  (``P = C^T``: the transpose of the forward's fold), then all segments' walks at once.
 
 Heads wider than ``TILE_MAX`` features are cut into feature blocks (see
 ``hla2_unnormalized``); value heads wider than ``TILE_MAX`` are cut into value blocks
@@ -29,6 +32,7 @@ from .chunk_kernels import (  # noqa: F401  (re-exported for readers and noteboo
     _bwd_chunk_grads,
     _hla2_bwd_grad_kernel,
     _hla2_bwd_kernel,
+    _hla2_bwd_seg_combine_kernel,
     _hla2_bwd_state_kernel,
     _hla2_fwd_kernel,
     _hla2_seg_combine_kernel,
@@ -206,6 +210,18 @@ def bwd_mode(K, V):
     return "split" if max(K, V) <= 64 else "fused"
 
 
+# Segments of the backward walks (the reverse of the forward's): None uses BWD_SEGMENTS_DEFAULT.
+BWD_SEGMENTS = None
+# One segment until the segmented walk has been timed on a GPU (benchmarks/bench_hla2.py, variants).
+BWD_SEGMENTS_DEFAULT = 1
+
+
+def bwd_segments(NT):
+    """Segments for the backward walks of a sequence of NT chunks."""
+    n = BWD_SEGMENTS if BWD_SEGMENTS is not None else BWD_SEGMENTS_DEFAULT
+    return max(1, min(n, NT))
+
+
 def bwd_chunk_size(K, V, chunk_size):
     """Chunk of the backward: 64 rows for heads up to 64 wide, 32 above (fewer live tiles)."""
     return min(chunk_size, 64 if max(K, V) <= 64 else 32)
@@ -219,12 +235,13 @@ def _value_blocks(V):
 
 
 def bwd_launch(q, k, v, do, gamma, s0, w0, dht_s, dht_w, chunk_size, num_warps=None, mode=None,
-               q2=None, k2=None):
+               q2=None, k2=None, segments=None):
     """Gradients of the unnormalized (cross) operator.
 
     q, k: [B, T, H, K]; q2, k2: [B, T, H, K2] or None; v, do: [B, T, H, V];
     s0, w0: initial state or None; dht_s [B, H, K, K2], dht_w [B, H, K, V]: gradient of the
-    final state or None. mode: "split" or "fused" (None: ``bwd_mode``).
+    final state or None. mode: "split" or "fused" (None: ``bwd_mode``). segments: sequence
+    segments whose backward walks run in parallel (None: ``bwd_segments``).
     Returns dq, dk, dq2, dk2 (None unless cross; input dtypes), dv, dS0, dW0 (fp32, None
     without s0).
     """
@@ -236,7 +253,8 @@ def bwd_launch(q, k, v, do, gamma, s0, w0, dht_s, dht_w, chunk_size, num_warps=N
             outs.append(bwd_launch(
                 q, k, v[..., a:b].contiguous(), do[..., a:b].contiguous(), gamma, s0,
                 None if w0 is None else w0[..., a:b].contiguous(), dht_s if j == 0 else None,
-                None if dht_w is None else dht_w[..., a:b].contiguous(), chunk_size, num_warps, mode, q2, k2))
+                None if dht_w is None else dht_w[..., a:b].contiguous(), chunk_size, num_warps, mode, q2, k2,
+                segments))
 
         def total(i):
             return None if outs[0][i] is None else sum(o[i] for o in outs)
@@ -275,23 +293,44 @@ def bwd_launch(q, k, v, do, gamma, s0, w0, dht_s, dht_w, chunk_size, num_warps=N
                   PREC=_prec(q.dtype), num_stages=1)
     # 8 warps for the 128-wide tiles (the configuration measured on Hopper), else 4
     nw = num_warps if num_warps is not None else (8 if max(BK, BV) > 64 else 4)
+    if mode not in ("split", "fused"):
+        raise ValueError(f"mode must be 'split' or 'fused', got {mode!r}")
+    NT = triton.cdiv(T, BT)
+    nseg = bwd_segments(NT) if segments is None else max(1, min(int(segments), NT))
+    NS = triton.cdiv(NT, nseg)
+    nseg = triton.cdiv(NT, NS)  # no empty segment
+    # each walk starts from the gradient of its segment's end state (the final state's for one segment)
+    de_s = dht_s if has_dht else cs_s
+    de_w = dht_w if has_dht else cs_w
+    walk_dh0 = store_dh0
+    if nseg > 1:
+        # backward summaries of the segments from a zero end gradient, folded last to first
+        sum_s = torch.empty(B * H * nseg, K, K2, device=q.device, dtype=f32)
+        sum_w = torch.empty(B * H * nseg, K, V, device=q.device, dtype=f32)
+        sum_p = torch.empty(B * H * nseg, V, K2, device=q.device, dtype=f32)
+        _hla2_bwd_state_kernel[(nseg, B * H)](
+            q, q2, v, do, sum_s, sum_w, cs_s, cs_w, cs_s, cs_w, sum_p, log2g, T, NS,
+            HAS_DHT=False, STORE_DH0=False, SUMMARY=True, num_warps=nw, **common)
+        de_s = torch.empty(B * H * nseg, K, K2, device=q.device, dtype=f32)
+        de_w = torch.empty(B * H * nseg, K, V, device=q.device, dtype=f32)
+        _hla2_bwd_seg_combine_kernel[(B * H,)](
+            sum_s, sum_w, sum_p, dht_s if has_dht else cs_s, dht_w if has_dht else cs_w, de_s, de_w,
+            dh0_s, dh0_w, log2g, T, NS, nseg, K=K, K2=K2, V=V, BT=BT, BK=BK, BV=BV, USE_G=use_g,
+            HAS_DHT=has_dht, STORE_DH0=store_dh0, PREC=_prec(q.dtype), num_warps=nw)
+        has_dht, walk_dh0 = True, False
     if mode == "fused":
-        _hla2_bwd_kernel[(B * H,)](
-            q, k, q2, k2, v, do, dq, dk, dq2, dk2, dv, cs_s, cs_w,
-            dht_s if has_dht else cs_s, dht_w if has_dht else cs_w, dh0_s, dh0_w, log2g, T,
-            HAS_DHT=has_dht, STORE_DH0=store_dh0, CROSS=cross, num_warps=nw, **common)
-    elif mode == "split":
+        _hla2_bwd_kernel[(nseg, B * H)](
+            q, k, q2, k2, v, do, dq, dk, dq2, dk2, dv, cs_s, cs_w, de_s, de_w, dh0_s, dh0_w, log2g, T, NS,
+            HAS_DHT=has_dht, STORE_DH0=walk_dh0, CROSS=cross, num_warps=nw, **common)
+    else:
         ds_end = torch.empty_like(cs_s)
         dw_end = torch.empty_like(cs_w)
-        _hla2_bwd_state_kernel[(B * H,)](
-            q, q2, v, do, ds_end, dw_end,
-            dht_s if has_dht else cs_s, dht_w if has_dht else cs_w, dh0_s, dh0_w, log2g, T,
-            HAS_DHT=has_dht, STORE_DH0=store_dh0, num_warps=nw, **common)
-        _hla2_bwd_grad_kernel[(triton.cdiv(T, BT), B * H)](
+        _hla2_bwd_state_kernel[(nseg, B * H)](
+            q, q2, v, do, ds_end, dw_end, de_s, de_w, dh0_s, dh0_w, cs_s, log2g, T, NS,
+            HAS_DHT=has_dht, STORE_DH0=walk_dh0, SUMMARY=False, num_warps=nw, **common)
+        _hla2_bwd_grad_kernel[(NT, B * H)](
             q, k, q2, k2, v, do, dq, dk, dq2, dk2, dv, cs_s, cs_w, ds_end, dw_end, log2g, T,
             CROSS=cross, num_warps=nw, **common)
-    else:
-        raise ValueError(f"mode must be 'split' or 'fused', got {mode!r}")
     return (dq, dk, dq2 if cross else None, dk2 if cross else None, dv,
             dh0_s if store_dh0 else None, dh0_w if store_dh0 else None)
 

@@ -447,33 +447,39 @@ def _hla2_bwd_kernel(
     q, k, q2, k2, v, do,   # q, k: [B, T, H, K]; q2, k2: [B, T, H, K2]; v, do: [B, T, H, V]
     dq, dk, dq2, dk2, dv,  # gradients, same shapes and dtypes (dq2, dk2 written when CROSS)
     cs_s, cs_w,            # chunk-start states from the MODE 1 forward, fp32
-    dht_s, dht_w,          # gradient of the final state, fp32: [B*H, K, K2], [B*H, K, V]
+    de_s, de_w,            # gradient of each segment's END state, fp32: [B*H*NSEG, K, K2], [B*H*NSEG, K, V]
+                           # (one segment: the gradient of the final state)
     dh0_s, dh0_w,          # gradient of the initial state, fp32 (written if STORE_DH0)
-    log2g, T,
+    log2g, T, NS,          # NS: chunks per segment
     H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
     CROSS: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
 ):
-    # one program per (batch, head); it walks the chunks from last to first
-    i_bh = tl.program_id(0)
+    # one program per (segment, batch*head); it walks its chunks from last to first
+    i_n = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    NSEG = tl.num_programs(0)
     NT = tl.cdiv(T, BT)
+    lo = i_n * NS
+    hi = tl.minimum(lo + NS, NT)
     off_k, off_k2, off_v, rt, rk, rv, mk, mk2, mv, lower, upper = _bwd_indices(i_bh, T, H, K, K2, V, BT, BK, BV)
 
     # gradients w.r.t. the state at the end of the current chunk (and transposes)
     if HAS_DHT:
-        d_s = _mat(dht_s + i_bh * K * K2, rk, mk, rk, mk2, K2)
-        d_st = _mat_t(dht_s + i_bh * K * K2, rk, mk2, rk, mk, K2)
-        d_w = _mat(dht_w + i_bh * K * V, rk, mk, rv, mv, V)
-        d_wt = _mat_t(dht_w + i_bh * K * V, rv, mv, rk, mk, V)
+        i_sg = i_bh.to(tl.int64) * NSEG + i_n
+        d_s = _mat(de_s + i_sg * K * K2, rk, mk, rk, mk2, K2)
+        d_st = _mat_t(de_s + i_sg * K * K2, rk, mk2, rk, mk, K2)
+        d_w = _mat(de_w + i_sg * K * V, rk, mk, rv, mv, V)
+        d_wt = _mat_t(de_w + i_sg * K * V, rv, mv, rk, mk, V)
     else:
         d_s = tl.zeros([BK, BK], dtype=tl.float32)
         d_st = tl.zeros([BK, BK], dtype=tl.float32)
         d_w = tl.zeros([BK, BV], dtype=tl.float32)
         d_wt = tl.zeros([BV, BK], dtype=tl.float32)
 
-    for i_r in range(0, NT):
-        i_c = NT - 1 - i_r
+    for i_r in range(0, hi - lo):
+        i_c = hi - 1 - i_r
         t = i_c * BT + rt
         mt = t < T
         b_q, b_qt, b_k, b_kt, b_q2, b_q2t, b_k2, b_k2t, b_v, b_vt, b_do, b_dot = _chunk_tiles(
@@ -515,29 +521,39 @@ def _hla2_bwd_kernel(
 def _hla2_bwd_state_kernel(
     q, q2, v, do,          # q: [B, T, H, K]; q2: [B, T, H, K2]; v, do: [B, T, H, V]
     ds_end, dw_end,        # out, fp32: gradient w.r.t. each chunk's END state, [B*H, NT, K, K2], [B*H, NT, K, V]
-    dht_s, dht_w,          # gradient of the final state, fp32: [B*H, K, K2], [B*H, K, V]
-    dh0_s, dh0_w,          # gradient of the initial state, fp32 (written if STORE_DH0)
-    log2g, T,
+    de_s, de_w,            # gradient of each segment's END state, fp32: [B*H*NSEG, K, K2], [B*H*NSEG, K, V]
+    dh0_s, dh0_w, sum_p,   # gradient of the initial state (STORE_DH0); SUMMARY: segment sums, P [.., V, K2]
+    log2g, T, NS,          # NS: chunks per segment
     H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+    SUMMARY: tl.constexpr,  # walk the segment from a zero end gradient and store its summary only
     IS_BF16: tl.constexpr, PREC: tl.constexpr,
 ):
-    # one program per (batch, head), chunks from last to first; only (dS, dW) are carried
-    i_bh = tl.program_id(0)
+    # one program per (segment, batch*head), chunks from last to first; only (dS, dW) are carried
+    i_n = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    NSEG = tl.num_programs(0)
     NT = tl.cdiv(T, BT)
+    lo = i_n * NS
+    hi = tl.minimum(lo + NS, NT)
+    i_sg = i_bh.to(tl.int64) * NSEG + i_n
     off_k, off_k2, off_v, rt, rk, rv, mk, mk2, mv, _, _ = _bwd_indices(i_bh, T, H, K, K2, V, BT, BK, BV)
     if HAS_DHT:
-        d_s = _mat(dht_s + i_bh * K * K2, rk, mk, rk, mk2, K2)
-        d_w = _mat(dht_w + i_bh * K * V, rk, mk, rv, mv, V)
+        d_s = _mat(de_s + i_sg * K * K2, rk, mk, rk, mk2, K2)
+        d_w = _mat(de_w + i_sg * K * V, rk, mk, rv, mv, V)
     else:
         d_s = tl.zeros([BK, BK], dtype=tl.float32)
         d_w = tl.zeros([BK, BV], dtype=tl.float32)
-    for i_r in range(0, NT):
-        i_c = NT - 1 - i_r
-        # the chunk's end-state gradient, read back by the parallel kernel
-        _put(ds_end + (i_bh.to(tl.int64) * NT + i_c) * K * K2, d_s, rk, mk, rk, mk2, K2)
-        _put(dw_end + (i_bh.to(tl.int64) * NT + i_c) * K * V, d_w, rk, mk, rv, mv, V)
+    if SUMMARY:
+        b_p = tl.zeros([BV, BK], dtype=tl.float32)  # P = sum_j g^(end-j) v_j q2_j^T over the segment
+        t_end = tl.minimum(T, hi * BT)                # one past the segment's last token
+    for i_r in range(0, hi - lo):
+        i_c = hi - 1 - i_r
+        if not SUMMARY:
+            # the chunk's end-state gradient, read back by the parallel kernel
+            _put(ds_end + (i_bh.to(tl.int64) * NT + i_c) * K * K2, d_s, rk, mk, rk, mk2, K2)
+            _put(dw_end + (i_bh.to(tl.int64) * NT + i_c) * K * V, d_w, rk, mk, rv, mv, V)
         t = i_c * BT + rt
         mt = t < T
         b_qt = _cols(q + off_k, t, mt, rk, mk, H * K, IS_BF16)
@@ -545,10 +561,66 @@ def _hla2_bwd_state_kernel(
         b_vt = _cols(v + off_v, t, mt, rv, mv, H * V, IS_BF16)
         b_do = _rows(do + off_v, t, mt, rv, mv, H * V, IS_BF16)
         G, g1, g2, gl, gC = _decays(log2g, T, i_c, BT, USE_G)
+        b_vgt = _cast(b_vt * gl[None, :], IS_BF16)
+        if SUMMARY:
+            # Vg^T Q2 carries g^(chunk end - j); g^(segment end - chunk end) brings it to the segment end
+            b_vq = tl.dot(b_vgt, b_q2, input_precision=PREC)
+            if USE_G:
+                b_vq = b_vq * _pow_g(log2g, t_end - tl.minimum(T, (i_c + 1) * BT), BT)
+            b_p += b_vq
         # dN = (dO V^T) o G, then the start-state gradients
         b_dn = _cast(tl.dot(b_do, b_vt, input_precision=PREC) * G, IS_BF16)
-        d_s, d_w = _dstate_step(d_s, d_w, b_qt, b_q2, _cast(b_vt * gl[None, :], IS_BF16), b_dn, b_do,
-                                g1, g2, gC, IS_BF16, PREC)
+        d_s, d_w = _dstate_step(d_s, d_w, b_qt, b_q2, b_vgt, b_dn, b_do, g1, g2, gC, IS_BF16, PREC)
+    if SUMMARY:
+        _put(ds_end + i_sg * K * K2, d_s, rk, mk, rk, mk2, K2)
+        _put(dw_end + i_sg * K * V, d_w, rk, mk, rv, mv, V)
+        _put(sum_p + i_sg * V * K2, b_p, rv, mv, rk, mk2, K2)
+    elif STORE_DH0:
+        _put(dh0_s + i_bh * K * K2, d_s, rk, mk, rk, mk2, K2)
+        _put(dh0_w + i_bh * K * V, d_w, rk, mk, rv, mv, V)
+
+
+@triton.jit
+def _hla2_bwd_seg_combine_kernel(
+    sum_s, sum_w, sum_p,  # segment summaries (SUMMARY walk): [B*H*NSEG, K, K2], [.., K, V], [.., V, K2]
+    dht_s, dht_w,         # gradient of the final state, fp32 [B*H, K, K2], [B*H, K, V] (if HAS_DHT)
+    de_s, de_w,           # out: gradient of each segment's END state, [B*H*NSEG, K, K2], [B*H*NSEG, K, V]
+    dh0_s, dh0_w,         # out: gradient of the initial state (if STORE_DH0)
+    log2g, T, NS, NSEG,
+    K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
+):
+    """Fold the segments' backward summaries from the last segment to the first: with
+    rho = g^(tokens in the segment) and P = sum_j g^(end-j) v_j q2_j^T,
+
+        dS <- rho dS + rho dW P + dS_seg,    dW <- rho^2 dW + dW_seg,
+
+    the transpose of the forward's (S, C, W) fold (P is C^T)."""
+    i_bh = tl.program_id(0)
+    rk = tl.arange(0, BK)
+    rv = tl.arange(0, BV)
+    mk = rk < K
+    mk2 = rk < K2
+    mv = rv < V
+    if HAS_DHT:
+        d_s = _mat(dht_s + i_bh.to(tl.int64) * K * K2, rk, mk, rk, mk2, K2)
+        d_w = _mat(dht_w + i_bh.to(tl.int64) * K * V, rk, mk, rv, mv, V)
+    else:
+        d_s = tl.zeros([BK, BK], dtype=tl.float32)
+        d_w = tl.zeros([BK, BV], dtype=tl.float32)
+    for i_r in range(0, NSEG):
+        i_s = NSEG - 1 - i_r
+        i_sg = i_bh.to(tl.int64) * NSEG + i_s
+        _put(de_s + i_sg * K * K2, d_s, rk, mk, rk, mk2, K2)
+        _put(de_w + i_sg * K * V, d_w, rk, mk, rv, mv, V)
+        if USE_G:
+            rho = _pow_g(log2g, tl.minimum(T - i_s * NS * BT, NS * BT), BT)
+        else:
+            rho = 1.0
+        b_p = _mat(sum_p + i_sg * V * K2, rv, mv, rk, mk2, K2)
+        d_s = d_s * rho + tl.dot(d_w, b_p, input_precision=PREC) * rho + _mat(sum_s + i_sg * K * K2, rk, mk, rk, mk2, K2)
+        d_w = d_w * (rho * rho) + _mat(sum_w + i_sg * K * V, rk, mk, rv, mv, V)
     if STORE_DH0:
         _put(dh0_s + i_bh * K * K2, d_s, rk, mk, rk, mk2, K2)
         _put(dh0_w + i_bh * K * V, d_w, rk, mk, rv, mv, V)

@@ -196,3 +196,29 @@ def test_wide_head_normalized_with_carry_over(device, poison):  # noqa: F811
     _, st64 = hla_fast.hla2(*d64, gamma=0.9, normalize=True, backend="torch", output_final_state=True)
     for a, b in zip(st2, st64):
         assert rel(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["split", "fused"])
+@pytest.mark.parametrize("segments", [3, 7])
+@pytest.mark.parametrize("cross", [False, True])
+def test_segmented_backward_equals_one_walk(mode, segments, cross, device, poison):  # noqa: F811
+    """Backward walks run per segment from end gradients folded last to first (the reverse of the
+    forward's fold): every gradient, the initial state's included, equals the single walk.
+    T = 100: 7 chunks of 16, cut into segments of 3, 3 and 1 chunks, or 7 single chunks."""
+    K, K2, V = (12, 20, 16) if cross else (16, 16, 16)
+    q, k, q2, k2, v = _cross_inputs(device, B=1, T=100, K=K, K2=K2, V=V, seed=37)
+    if not cross:
+        q2 = k2 = None
+    gen = torch.Generator().manual_seed(38)
+    S0 = (torch.randn(1, 2, K, K2, generator=gen) * 0.2).to(device)
+    W0 = (torch.randn(1, 2, K, V, generator=gen) * 0.2).to(device)
+    do = torch.randn(1, 100, 2, V, generator=gen).to(device)
+    dS = torch.randn(1, 2, K, K2, generator=gen).to(device)
+    dW = torch.randn(1, 2, K, V, generator=gen).to(device)
+    for dS_, dW_ in ((dS, dW), (None, None)):
+        a = chunk.bwd_launch(q, k, v, do, 0.9, S0, W0, dS_, dW_, 16, mode=mode, q2=q2, k2=k2, segments=1)
+        b = chunk.bwd_launch(q, k, v, do, 0.9, S0, W0, dS_, dW_, 16, mode=mode, q2=q2, k2=k2, segments=segments)
+        for x, y in zip(a, b):
+            assert (x is None) == (y is None)
+            if x is not None:
+                assert rel(y, x) < 1e-5

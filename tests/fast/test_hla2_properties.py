@@ -56,10 +56,13 @@ def test_triton_forward_is_the_index_sum(p):
 @settings(max_examples=15)
 @given(p=shapes)
 def test_triton_gradients_match_float64(mode, p):
-    """dq, dk, dv of both backward layouts against float64 autograd of the torch path."""
+    """dq, dk, dv of both backward layouts (with segmented walks) against float64 autograd of
+    the torch path."""
     with pytest.MonkeyPatch.context() as mp:
         _poisoned_empty_like(mp)
         mp.setattr(chunk, "BWD_MODE", mode)
+        mp.setattr(chunk, "FWD_SEGMENTS", p["segments"])
+        mp.setattr(chunk, "BWD_SEGMENTS", p["segments"])
         q, k, v = rand_qkv(p["B"], p["T"], p["H"], p["K"], p["V"], seed=p["seed"], device=device)
         w = torch.randn(p["B"], p["T"], p["H"], p["V"], generator=torch.Generator().manual_seed(p["seed"]))
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
