@@ -210,16 +210,23 @@ def bwd_mode(K, V):
     return "split" if max(K, V) <= 64 else "fused"
 
 
-# Segments of the backward walks (the reverse of the forward's): None uses BWD_SEGMENTS_DEFAULT.
+# Segments of the backward walks (the reverse of the forward's): None picks with bwd_segments.
 BWD_SEGMENTS = None
-# One segment until the segmented walk has been timed on a GPU (benchmarks/bench_hla2.py, variants).
-BWD_SEGMENTS_DEFAULT = 1
 
 
-def bwd_segments(NT):
-    """Segments for the backward walks of a sequence of NT chunks."""
-    n = BWD_SEGMENTS if BWD_SEGMENTS is not None else BWD_SEGMENTS_DEFAULT
-    return max(1, min(n, NT))
+def bwd_segments(NT, BH, mode, num_warps, device):
+    """Segments for the backward walks of B*H heads of NT chunks.
+
+    Measured on an H200 (bf16, B*H = 64, K = V = 64, T = 32768, split layout): 1 segment
+    6.82 ms, 2 6.77, 4 6.18, 8 6.21; at K = 64, V = 128 the segmented split walk was checked
+    on the H200 against float64 but not timed. So the split layout with 4-warp programs gets
+    the forward's occupancy rule (all programs in one wave, two a multiprocessor); the fused
+    layout and 8-warp programs keep one segment until they are timed."""
+    if BWD_SEGMENTS is not None:
+        return max(1, min(BWD_SEGMENTS, NT))
+    if device.type != "cuda" or mode != "split" or num_warps != 4:
+        return 1
+    return max(1, min((2 * _sm_count(device)) // BH, NT // MIN_SEGMENT_CHUNKS))
 
 
 def bwd_chunk_size(K, V, chunk_size):
@@ -296,7 +303,11 @@ def bwd_launch(q, k, v, do, gamma, s0, w0, dht_s, dht_w, chunk_size, num_warps=N
     if mode not in ("split", "fused"):
         raise ValueError(f"mode must be 'split' or 'fused', got {mode!r}")
     NT = triton.cdiv(T, BT)
-    nseg = bwd_segments(NT) if segments is None else max(1, min(int(segments), NT))
+    nseg = bwd_segments(NT, B * H, mode, nw, q.device) if segments is None else max(1, min(int(segments), NT))
+    if BK > 64 and BV > 64:
+        # the fold's fp32 [BK, BV] x [BV, BK] product needs 262144 bytes of shared memory at
+        # 128 x 128 on an H200 (limit 232448): heads that wide walk in one segment
+        nseg = 1
     NS = triton.cdiv(NT, nseg)
     nseg = triton.cdiv(NT, NS)  # no empty segment
     # each walk starts from the gradient of its segment's end state (the final state's for one segment)

@@ -500,16 +500,25 @@ def _hla2_bwd_kernel(
         _store_grads(dq, dk, dq2, dk2, dv, off_k, off_k2, off_v, t, mt, rk, mk, mk2, rv, mv,
                      b_dq, b_dk, b_dq2, b_dk2, b_dv, H, K, K2, V, CROSS)
 
-        # -- gradients w.r.t. this chunk's start state, and their transposes ----------------
+        # -- gradients w.r.t. this chunk's start state ---------------------------------
+        # dS0 = gC dS + gC dW Vg^T Q2 + Q^T diag(g1) dN Q2   (and its transpose). Written out here
+        # rather than through _dstate_step: this order fits the 128-wide tiles in shared memory.
         b_vg = _cast(b_v * gl[:, None], IS_BF16)
         b_vgt = _cast(b_vt * gl[None, :], IS_BF16)
-        # dS0^T = gC dS^T + gC (Q2^T Vg) dW^T + (Q2^T dN^T) diag(g1) Q;  dW0^T = gC^2 dW^T + dO^T diag(g2) Q
+        c_dw = _cast(d_w, IS_BF16)
+        c_dwt = _cast(d_wt, IS_BF16)
+        b_vq = tl.dot(b_vgt, b_q2, input_precision=PREC)           # Vg^T Q2  [BV, BK]
         b_qv = tl.dot(b_q2t, b_vg, input_precision=PREC)           # Q2^T Vg  [BK, BV]
-        b_qdnt = tl.dot(b_q2t, c_dnt, input_precision=PREC)        # Q2^T dN^T
-        n_st = d_st * gC + tl.dot(_cast(b_qv, IS_BF16), _cast(d_wt, IS_BF16), input_precision=PREC) * gC
+        b_qdn = tl.dot(_cast(b_qt * g1[None, :], IS_BF16), c_dn, input_precision=PREC)  # Q^T diag(g1) dN
+        b_qdnt = tl.dot(b_q2t, c_dnt, input_precision=PREC)                             # Q2^T dN^T
+        n_s = d_s * gC + tl.dot(c_dw, _cast(b_vq, IS_BF16), input_precision=PREC) * gC
+        n_s += tl.dot(_cast(b_qdn, IS_BF16), b_q2, input_precision=PREC)
+        n_st = d_st * gC + tl.dot(_cast(b_qv, IS_BF16), c_dwt, input_precision=PREC) * gC
         n_st += tl.dot(_cast(b_qdnt, IS_BF16), _cast(b_q * g1[:, None], IS_BF16), input_precision=PREC)
+        # dW0 = gC^2 dW + Q^T diag(g2) dO   (and its transpose)
+        d_w = d_w * (gC * gC) + tl.dot(_cast(b_qt * g2[None, :], IS_BF16), b_do, input_precision=PREC)
         d_wt = d_wt * (gC * gC) + tl.dot(b_dot, _cast(b_q * g2[:, None], IS_BF16), input_precision=PREC)
-        d_s, d_w = _dstate_step(d_s, d_w, b_qt, b_q2, b_vgt, c_dn, b_do, g1, g2, gC, IS_BF16, PREC)
+        d_s = n_s
         d_st = n_st
 
     if STORE_DH0:
