@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 
 from .chunk_kernels import (  # noqa: F401  (re-exported for readers and notebook 09)
     _bwd_chunk_grads,
@@ -37,7 +36,7 @@ from .chunk_kernels import (  # noqa: F401  (re-exported for readers and noteboo
     _hla2_fwd_kernel,
     _hla2_seg_combine_kernel,
 )
-from .utils import interpreter_on
+from .utils import cdiv, interpreter_on, next_pow2
 
 # widest feature block one kernel program holds (a K x K and a K x V fp32 state on chip)
 TILE_MAX = 128
@@ -49,7 +48,7 @@ FEATURE_BLOCK = 64
 
 
 def _pow2(n, lo=16):
-    return max(lo, triton.next_power_of_2(n))
+    return max(lo, next_pow2(n))
 
 
 def _min_bv(device):
@@ -137,12 +136,12 @@ def fwd_launch(q, k, v, gamma, s0, w0, chunk_size, mode="fused", store_final=Tru
     k2 = k if k2 is None else k2
     K2 = q2.shape[-1]
     BT = chunk_size
-    NT = triton.cdiv(T, BT)
+    NT = cdiv(T, BT)
     BK = _pow2(max(K, K2))
     # value blocks of 64 (never 32: a 32-wide value block crashed with an illegal address
     # on an H200 with Triton 3.6, see the package README); small blocks under the interpreter
     BV = min(_pow2(V, _min_bv(q.device)), 64 if block_v is None else block_v)
-    NV = triton.cdiv(V, BV)
+    NV = cdiv(V, BV)
     BH = B * H
     dev = q.device
     f32 = torch.float32
@@ -156,8 +155,8 @@ def fwd_launch(q, k, v, gamma, s0, w0, chunk_size, mode="fused", store_final=Tru
         nseg = fwd_segments(NV * BH, NT, dev, per_sm=2 if num_warps == 4 else 1)
     else:
         nseg = max(1, min(int(segments), NT))
-    NS = triton.cdiv(NT, nseg)
-    nseg = triton.cdiv(NT, NS)  # no empty segment
+    NS = cdiv(NT, nseg)
+    nseg = cdiv(NT, NS)  # no empty segment
     ht_s = torch.empty(BH, K, K2, device=dev, dtype=f32)
     ht_w = torch.empty(BH, K, V, device=dev, dtype=f32)
     kw = dict(H=H, K=K, K2=K2, V=V, BT=BT, BK=BK, BV=BV, USE_G=use_g,
@@ -236,7 +235,7 @@ def bwd_chunk_size(K, V, chunk_size):
 
 def _value_blocks(V):
     """Bounds of value blocks at most TILE_MAX wide, as even as possible."""
-    n = triton.cdiv(V, TILE_MAX)
+    n = cdiv(V, TILE_MAX)
     edges = [round(i * V / n) for i in range(n + 1)]
     return list(zip(edges[:-1], edges[1:]))
 
@@ -302,14 +301,14 @@ def bwd_launch(q, k, v, do, gamma, s0, w0, dht_s, dht_w, chunk_size, num_warps=N
     nw = num_warps if num_warps is not None else (8 if max(BK, BV) > 64 else 4)
     if mode not in ("split", "fused"):
         raise ValueError(f"mode must be 'split' or 'fused', got {mode!r}")
-    NT = triton.cdiv(T, BT)
+    NT = cdiv(T, BT)
     nseg = bwd_segments(NT, B * H, mode, nw, q.device) if segments is None else max(1, min(int(segments), NT))
     if BK > 64 and BV > 64:
         # the fold's fp32 [BK, BV] x [BV, BK] product needs 262144 bytes of shared memory at
         # 128 x 128 on an H200 (limit 232448): heads that wide walk in one segment
         nseg = 1
-    NS = triton.cdiv(NT, nseg)
-    nseg = triton.cdiv(NT, NS)  # no empty segment
+    NS = cdiv(NT, nseg)
+    nseg = cdiv(NT, NS)  # no empty segment
     # each walk starts from the gradient of its segment's end state (the final state's for one segment)
     de_s = dht_s if has_dht else cs_s
     de_w = dht_w if has_dht else cs_w
@@ -377,7 +376,7 @@ def _feature_blocks(K):
     when K <= TILE_MAX)."""
     if K <= TILE_MAX:
         return [(0, K)]
-    n = triton.cdiv(K, FEATURE_BLOCK)
+    n = cdiv(K, FEATURE_BLOCK)
     edges = [round(i * K / n) for i in range(n + 1)]
     return list(zip(edges[:-1], edges[1:]))
 

@@ -25,6 +25,17 @@ class HLA2State(NamedTuple):
     z: Optional[torch.Tensor] = None
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive ints. (``triton.cdiv`` is a jit function: calling it from Python
+    goes through the JIT's dispatch and costs microseconds per call on the host.)"""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1), without the JIT dispatch of ``triton.next_power_of_2``."""
+    return 1 << (n - 1).bit_length()
+
+
 def interpreter_on() -> bool:
     """True when Triton runs kernels on the CPU (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
