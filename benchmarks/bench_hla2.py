@@ -5,8 +5,10 @@ T from 1k to 32k): hla_fast forward and forward+backward; torch's causal
 scaled_dot_product_attention; the torch backend of hla_fast; and
 flash-linear-attention's first-order chunk_linear_attn when it imports.
 Also measures the two ceilings (bf16 matmul rate, device copy bandwidth), counts
-HLA2's FLOPs and bytes, times the decode step, records accuracy against T, and
-compares forward layouts (fused vs two-pass, value block size).
+HLA2's FLOPs and bytes, times the decode step, records accuracy against T,
+compares kernel layouts (forward: segments, pipeline stages, two-pass; backward:
+split or fused walks, segments), records the CUDA time of each kernel in one
+forward + backward (torch.profiler), and times K = V = 256 heads against SDPA.
 
 Writes JSON (device, versions, date, shapes, medians) and a markdown table:
     python benchmarks/bench_hla2.py --out benchmarks/results
@@ -186,6 +188,12 @@ def write_report(res, out, tag):
         for r in res["variants"]:
             lines.append(f"| {r['K']} | {r.get('T', '-')} | {r['pass']} | {r['mode']} | {r.get('segments', 1)} | "
                          f"{r.get('num_stages', 1)} | {r['chunk']} | {r.get('ms', float('nan')):.3f} |")
+    if res.get("profile"):
+        lines += ["", "CUDA time per kernel, one forward + backward through `hla2()` (torch.profiler, ms):", "",
+                  "| K=V | T | kernel | ms | calls |", "|---|---|---|---|---|"]
+        for r in res["profile"]:
+            for name, x in sorted(r["kernels"].items(), key=lambda kv: -kv[1]["ms_per_step"]):
+                lines.append(f"| {r['K']} | {r['T']} | {name} | {x['ms_per_step']:.3f} | {x['calls_per_step']:.0f} |")
     if res.get("wide"):
         lines += ["", "Wide heads, K = V = 256 (median ms):", "",
                   "| T | hla_fast fwd | hla_fast fwd+bwd | sdpa fwd | sdpa fwd+bwd |", "|---|---|---|---|---|"]
@@ -227,7 +235,7 @@ def main():
     ap.add_argument("--dims", default="64,128", help="comma list of K=V head sizes")
     ap.add_argument("--only", default="", help="comma list of baselines to time (default: all)")
     ap.add_argument("--from-json", default=None, help="only rebuild the report from a results JSON")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: variants,wide,main,decode,accuracy")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: variants,profile,wide,main,decode,accuracy")
     args = ap.parse_args()
     skip = set(s for s in args.skip.split(",") if s)
     if args.from_json:
@@ -317,6 +325,32 @@ def main():
                     save()
                 del q, k, v, do
                 torch.cuda.empty_cache()
+
+    # -- where the time goes: CUDA time per kernel of one forward + backward (torch.profiler) ----
+    if "profile" not in skip:
+        res["profile"] = []
+        Tp = Ts[-1]
+        for D in Ds:
+            q, k, v = make_inputs(B, Tp, H, D, D)
+            do = torch.randn_like(v)
+            run = fwd_bwd(lambda q, k, v: hla_fast.hla2(q, k, v, gamma=0.999)[0], (q, k, v), do)
+            run()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    run()
+                torch.cuda.synchronize()
+            kernels = {}
+            for ev in prof.key_averages():
+                t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+                if t and ev.key.startswith("_hla2"):
+                    kernels[ev.key] = {"ms_per_step": t / 3 / 1e3, "calls_per_step": ev.count / 3}
+            row = {"B": B, "H": H, "T": Tp, "K": D, "V": D, "kernels": kernels}
+            res["profile"].append(row)
+            print("profile", row, flush=True)
+            save()
+            del q, k, v, do
+            torch.cuda.empty_cache()
 
     # -- wide heads (K = V = 256: feature-block pairs and value blocks) against SDPA ------
     if "wide" not in skip:
