@@ -184,10 +184,12 @@ def write_report(res, out, tag):
                          f"| {r['K']} | {r['T']} | " + " | ".join(cells) + " | - |")
     if res.get("variants"):
         lines += ["", "Kernel layouts (direct kernel launches, gamma = 0.999):", "",
-                  "| K=V | T | pass | layout | segments | stages | chunk | ms |", "|---|---|---|---|---|---|---|---|"]
+                  "| K=V | T | pass | layout | segments | stages | warps | chunk | ms |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in res["variants"]:
             lines.append(f"| {r['K']} | {r.get('T', '-')} | {r['pass']} | {r['mode']} | {r.get('segments', 1)} | "
-                         f"{r.get('num_stages', 1)} | {r['chunk']} | {r.get('ms', float('nan')):.3f} |")
+                         f"{r.get('num_stages', 1)} | {r.get('num_warps', 'auto')} | {r['chunk']} | "
+                         f"{r.get('ms', float('nan')):.3f} |")
     if res.get("profile"):
         lines += ["", "CUDA time per kernel, one forward + backward through `hla2()` (torch.profiler, ms):", "",
                   "| K=V | T | kernel | ms | calls |", "|---|---|---|---|---|"]
@@ -298,22 +300,28 @@ def main():
     # -- layouts: forward segments / stages / two-pass, backward split vs fused ----------
     if "variants" not in skip:
         res["variants"] = []
-        fwd_layouts = [("fused", 1, 1), ("fused", 1, 2), ("fused", 2, 1), ("fused", 4, 1), ("fused", 8, 1),
-                       ("fused", 16, 1), ("fused", None, 1), ("fused", None, 2), ("two_pass", 1, 1)]
+        # (mode, segments, pipeline stages, chunk, warps); None: the launcher's choice
+        fwd_layouts = [("fused", 1, 1, 64, None), ("fused", 1, 2, 64, None), ("fused", 2, 1, 64, None),
+                       ("fused", 4, 1, 64, None), ("fused", 8, 1, 64, None), ("fused", 16, 1, 64, None),
+                       ("fused", None, 1, 64, None), ("fused", None, 2, 64, None), ("fused", None, 1, 64, 8),
+                       ("fused", None, 1, 32, None), ("fused", None, 1, 128, None), ("two_pass", 1, 1, 64, None)]
         for D in Ds:
             for Tv in sorted({Ts[-1], min(2048, Ts[-1])}, reverse=True):
                 q, k, v = make_inputs(B, Tv, H, D, D)
                 do = torch.randn_like(v)
                 Cb = chunk.bwd_chunk_size(D, D, 64)
-                runs = [("fwd", m, sg, st) for m, sg, st in fwd_layouts]
-                runs += [("bwd", m, sg, 1) for m in ("split", "fused") for sg in (1, 2, 4, 8)]
-                for kind, mode, seg, stages in runs:
-                    row = {"K": D, "V": D, "T": Tv, "pass": kind, "mode": mode, "chunk": 64 if kind == "fwd" else Cb,
-                           "segments": "auto" if seg is None else seg, "num_stages": stages}
+                runs = [("fwd",) + lay for lay in fwd_layouts]
+                # heads with K and V both above 64 walk in one segment (bwd_launch), so no segment rows there
+                runs += [("bwd", m, sg, 1, Cb, None) for m in ("split", "fused")
+                         for sg in ((1, 2, 4, 8) if D <= 64 else (1,))]
+                for kind, mode, seg, stages, C, warps in runs:
+                    row = {"K": D, "V": D, "T": Tv, "pass": kind, "mode": mode, "chunk": C,
+                           "segments": "auto" if seg is None else seg, "num_stages": stages,
+                           "num_warps": "auto" if warps is None else warps}
                     try:
                         if kind == "fwd":
-                            fn = lambda: chunk.fwd_launch(q, k, v, 0.999, None, None, 64, mode=mode, store_final=False,
-                                                          segments=seg, num_stages=stages)
+                            fn = lambda: chunk.fwd_launch(q, k, v, 0.999, None, None, C, mode=mode, store_final=False,
+                                                          segments=seg, num_stages=stages, num_warps=warps)
                         else:
                             fn = lambda: chunk.bwd_launch(q, k, v, do, 0.999, None, None, None, None, Cb, mode=mode,
                                                           segments=seg)
