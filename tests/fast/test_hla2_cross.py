@@ -222,3 +222,24 @@ def test_segmented_backward_equals_one_walk(mode, segments, cross, device, poiso
             assert (x is None) == (y is None)
             if x is not None:
                 assert rel(y, x) < 1e-5
+
+
+def test_segment_rules(monkeypatch):
+    """The occupancy rules behind the automatic segment counts (an H200 has 132 SMs)."""
+    monkeypatch.setattr(chunk, "_sm_count", lambda device: 132)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    # forward: all programs in one wave of two (4 warps) or one (8 warps) per SM
+    assert chunk.fwd_segments(64, 512, cuda, per_sm=2) == 4        # 256 programs <= 264
+    assert chunk.fwd_segments(128, 512, cuda, per_sm=1) == 1       # K = V = 128: 128 programs
+    assert chunk.fwd_segments(2, 512, cuda, per_sm=2) == 128       # few heads: many segments ...
+    assert chunk.fwd_segments(2, 20, cuda, per_sm=2) == 5          # ... of at least 4 chunks
+    assert chunk.fwd_segments(64, 512, cpu) == 1
+    monkeypatch.setattr(chunk, "FWD_SEGMENTS", 7)
+    assert chunk.fwd_segments(64, 512, cuda) == 7 and chunk.fwd_segments(64, 3, cuda) == 3
+    # backward walks: the measured case only (split layout, 4 warps)
+    assert chunk.bwd_segments(512, 64, "split", 4, cuda) == 4
+    assert chunk.bwd_segments(512, 64, "fused", 4, cuda) == 1
+    assert chunk.bwd_segments(512, 64, "split", 8, cuda) == 1
+    assert chunk.bwd_segments(512, 64, "split", 4, cpu) == 1
+    monkeypatch.setattr(chunk, "BWD_SEGMENTS", 3)
+    assert chunk.bwd_segments(512, 64, "fused", 8, cuda) == 3
