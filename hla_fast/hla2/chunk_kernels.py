@@ -76,6 +76,20 @@ def _put(base, x, ri, mi, rj, mj, stride):
 
 
 @triton.jit
+def _state_pair(base_s, base_w, i, rk, mk, mk2, rv, mv, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr,
+                BK: tl.constexpr, BV: tl.constexpr, LOAD: tl.constexpr):
+    """State pair number i of fp32 [.., K, K2] and [.., K, V] buffers (rows rk, value columns rv),
+    or zeros when not LOAD."""
+    if LOAD:
+        a = _mat(base_s + i * K * K2, rk, mk, rk, mk2, K2)
+        b = _mat(base_w + i * K * V, rk, mk, rv, mv, V)
+    else:
+        a = tl.zeros([BK, BK], dtype=tl.float32)
+        b = tl.zeros([BK, BV], dtype=tl.float32)
+    return a, b
+
+
+@triton.jit
 def _pow_g(log2g, n, BT: tl.constexpr):
     """g^n for an integer scalar n (computed on a vector lane: no scalar casts of loop values)."""
     rt = tl.arange(0, BT)
@@ -160,13 +174,7 @@ def _hla2_fwd_kernel(
     else:
         lo = i_n * NS
         hi = tl.minimum(lo + NS, NT)
-        i_sg = i_bh.to(tl.int64) * NSEG + i_n
-        if HAS_INIT:
-            S = _mat(h0_s + i_sg * K * K2, rk, mk, rk, mk2, K2)
-            W = _mat(h0_w + i_sg * K * V, rk, mk, rv, mv, V)
-        else:
-            S = tl.zeros([BK, BK], dtype=tl.float32)
-            W = tl.zeros([BK, BV], dtype=tl.float32)
+        S, W = _state_pair(h0_s, h0_w, i_bh.to(tl.int64) * NSEG + i_n, rk, mk, mk2, rv, mv, K, K2, V, BK, BV, HAS_INIT)
     if MODE == 3:
         C = tl.zeros([BK, BV], dtype=tl.float32)  # sum_j g^(end-j) q2_j v_j^T over the segment
 
@@ -255,12 +263,7 @@ def _hla2_seg_combine_kernel(
     mk = rk < K
     mk2 = rk < K2
     mv = rv < V
-    if HAS_INIT:
-        S = _mat(h0_s + i_bh.to(tl.int64) * K * K2, rk, mk, rk, mk2, K2)
-        W = _mat(h0_w + i_bh.to(tl.int64) * K * V, rk, mk, rv, mv, V)
-    else:
-        S = tl.zeros([BK, BK], dtype=tl.float32)
-        W = tl.zeros([BK, BV], dtype=tl.float32)
+    S, W = _state_pair(h0_s, h0_w, i_bh.to(tl.int64), rk, mk, mk2, rv, mv, K, K2, V, BK, BV, HAS_INIT)
     for i_s in range(0, NSEG):
         i_sg = i_bh.to(tl.int64) * NSEG + i_s
         if i_v == 0:
@@ -548,12 +551,7 @@ def _hla2_bwd_state_kernel(
     hi = tl.minimum(lo + NS, NT)
     i_sg = i_bh.to(tl.int64) * NSEG + i_n
     off_k, off_k2, off_v, rt, rk, rv, mk, mk2, mv, _, _ = _bwd_indices(i_bh, T, H, K, K2, V, BT, BK, BV)
-    if HAS_DHT:
-        d_s = _mat(de_s + i_sg * K * K2, rk, mk, rk, mk2, K2)
-        d_w = _mat(de_w + i_sg * K * V, rk, mk, rv, mv, V)
-    else:
-        d_s = tl.zeros([BK, BK], dtype=tl.float32)
-        d_w = tl.zeros([BK, BV], dtype=tl.float32)
+    d_s, d_w = _state_pair(de_s, de_w, i_sg, rk, mk, mk2, rv, mv, K, K2, V, BK, BV, HAS_DHT)
     if SUMMARY:
         b_p = tl.zeros([BV, BK], dtype=tl.float32)  # P = sum_j g^(end-j) v_j q2_j^T over the segment
         t_end = tl.minimum(T, hi * BT)                # one past the segment's last token
@@ -612,12 +610,7 @@ def _hla2_bwd_seg_combine_kernel(
     mk = rk < K
     mk2 = rk < K2
     mv = rv < V
-    if HAS_DHT:
-        d_s = _mat(dht_s + i_bh.to(tl.int64) * K * K2, rk, mk, rk, mk2, K2)
-        d_w = _mat(dht_w + i_bh.to(tl.int64) * K * V, rk, mk, rv, mv, V)
-    else:
-        d_s = tl.zeros([BK, BK], dtype=tl.float32)
-        d_w = tl.zeros([BK, BV], dtype=tl.float32)
+    d_s, d_w = _state_pair(dht_s, dht_w, i_bh.to(tl.int64), rk, mk, mk2, rv, mv, K, K2, V, BK, BV, HAS_DHT)
     for i_r in range(0, NSEG):
         i_s = NSEG - 1 - i_r
         i_sg = i_bh.to(tl.int64) * NSEG + i_s
