@@ -117,6 +117,33 @@ def fwd_bwd(fn, inputs, do):
     return run
 
 
+def hla(q, k, v):
+    """hla_fast's default path, the way a layer calls it."""
+    return hla_fast.hla2(q, k, v, gamma=0.999)[0]
+
+
+def hla_torch(q, k, v):
+    return hla_fast.hla2(q, k, v, gamma=0.999, backend="torch")[0]
+
+
+def sdpa(q, k, v):
+    """Causal softmax attention on the same [B, T, H, D] tensors."""
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)
+
+
+def time_candidates(row, cands, inputs, do):
+    """Median forward (no grad) and forward+backward ms of each candidate into row; errors are recorded."""
+    for name, fn in cands.items():
+        try:
+            with torch.no_grad():
+                row[f"{name}_fwd_ms"] = median_ms(lambda: fn(*inputs))
+            row[f"{name}_fwdbwd_ms"] = median_ms(fwd_bwd(fn, inputs, do))
+        except Exception as e:  # noqa: BLE001
+            row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        torch.cuda.empty_cache()
+
+
 def load_fla():
     try:
         from fla.ops.linear_attn import chunk_linear_attn
@@ -341,7 +368,7 @@ def main():
         for D in Ds:
             q, k, v = make_inputs(B, Tp, H, D, D)
             do = torch.randn_like(v)
-            run = fwd_bwd(lambda q, k, v: hla_fast.hla2(q, k, v, gamma=0.999)[0], (q, k, v), do)
+            run = fwd_bwd(hla, (q, k, v), do)
             run()
             torch.cuda.synchronize()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -367,16 +394,7 @@ def main():
             q, k, v = make_inputs(B, T, H, 256, 256)
             do = torch.randn_like(v)
             row = {"B": B, "H": H, "T": T, "K": 256, "V": 256}
-            cands = {"hla_fast": lambda q, k, v: hla_fast.hla2(q, k, v, gamma=0.999)[0],
-                     "sdpa": lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
-                         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)}
-            for name, fn in cands.items():
-                try:
-                    with torch.no_grad():
-                        row[f"{name}_fwd_ms"] = median_ms(lambda: fn(q, k, v))
-                    row[f"{name}_fwdbwd_ms"] = median_ms(fwd_bwd(fn, (q, k, v), do))
-                except Exception as e:  # noqa: BLE001
-                    row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            time_candidates(row, {"hla_fast": hla, "sdpa": sdpa}, (q, k, v), do)
             res["wide"].append(row)
             print("wide", row, flush=True)
             save()
@@ -393,17 +411,6 @@ def main():
                 row = {"B": B, "H": H, "T": T, "K": D, "V": D,
                        "hla2_gflop_fwd": hla2_flops(B, H, T, D, D) / 1e9,
                        "hla2_mbytes_fwd": hla2_bytes(B, H, T, D, D) / 1e6}
-
-                def hla(q, k, v):
-                    return hla_fast.hla2(q, k, v, gamma=0.999)[0]
-
-                def hla_torch(q, k, v):
-                    return hla_fast.hla2(q, k, v, gamma=0.999, backend="torch")[0]
-
-                def sdpa(q, k, v):
-                    return torch.nn.functional.scaled_dot_product_attention(
-                        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)
-
                 cands = {"hla_fast": hla, "sdpa": sdpa}
                 if chunk_linear_attn is not None:
                     cands["fla_linear_attn"] = lambda q, k, v: chunk_linear_attn(q, k, v, normalize=False)[0]
@@ -413,14 +420,7 @@ def main():
                     row["torch_backend"] = f"skipped: T > {args.torch_max_T} (slow)"
                 if args.only:
                     cands = {n_: f_ for n_, f_ in cands.items() if n_ in args.only.split(",")}
-                for name, fn in cands.items():
-                    try:
-                        with torch.no_grad():
-                            row[f"{name}_fwd_ms"] = median_ms(lambda: fn(q, k, v))
-                        row[f"{name}_fwdbwd_ms"] = median_ms(fwd_bwd(fn, (q, k, v), do))
-                    except Exception as e:  # noqa: BLE001
-                        row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                    torch.cuda.empty_cache()
+                time_candidates(row, cands, (q, k, v), do)
                 if "hla_fast_fwd_ms" in row:
                     row["hla_fast_fwd_tflops"] = row["hla2_gflop_fwd"] / row["hla_fast_fwd_ms"]
                 res["main"].append(row)
