@@ -61,6 +61,25 @@ def test_normalized_and_carry_over(poison):  # noqa: F811
     assert rel(torch.cat([o1, o2], 1), want) < TOL[torch.float32]
 
 
+def _grads(q, k, v, S0, W0, do, dtype, backend, gamma, chunk_size):
+    """dq, dk, dv, dS0, dW0 of sum(o * do), inputs cast to dtype (states fp32, float64 on float64)."""
+    sd = torch.float64 if dtype == torch.float64 else torch.float32
+    leaves = [x.detach().to(dtype if i < 3 else sd).requires_grad_() for i, x in enumerate((q, k, v, S0, W0))]
+    o, _ = hla_fast.hla2(*leaves[:3], gamma=gamma, initial_state=hla_fast.HLA2State(leaves[3], leaves[4]),
+                         backend=backend, chunk_size=chunk_size)
+    (o.double() * do).sum().backward()
+    return [x.grad for x in leaves]
+
+
+def _check_grads(q, k, v, S0, W0, do, dtype, gamma, chunk_size):
+    """Triton gradients against float64 autograd of the torch path, within what dtype explains."""
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    got = _grads(q, k, v, S0, W0, do, dtype, "triton", gamma, chunk_size)
+    want = _grads(q, k, v, S0, W0, do, torch.float64, "torch", gamma, chunk_size)
+    for name, a, b in zip(["dq", "dk", "dv", "dS0", "dW0"], got, want):
+        assert rel(a, b) < tol, name
+
+
 @pytest.mark.parametrize("dtype,KV,mode", [
     (torch.bfloat16, (64, 128), "split"), (torch.bfloat16, (128, 64), "split"),
     (torch.bfloat16, (64, 64), "fused"), (torch.float32, (64, 32), "split"),
@@ -78,21 +97,7 @@ def test_gradients_long(dtype, KV, mode, poison, monkeypatch):  # noqa: F811
     do = torch.randn(B, T, H, V, device="cuda", dtype=torch.float64)
 
     # fp32 ("ieee") kernels are unrolled FMA loops: 16-row chunks keep their compile time short
-    C = 16 if dtype == torch.float32 else 64
-
-    def run(dt, backend):
-        sd = torch.float64 if dt == torch.float64 else torch.float32
-        leaves = [x.detach().to(dt if i < 3 else sd).requires_grad_() for i, x in enumerate((q, k, v, S0, W0))]
-        o, _ = hla_fast.hla2(*leaves[:3], gamma=0.999, initial_state=hla_fast.HLA2State(leaves[3], leaves[4]),
-                             backend=backend, chunk_size=C)
-        (o.double() * do).sum().backward()
-        return [x.grad for x in leaves]
-
-    got = run(dtype, "triton")
-    want = run(torch.float64, "torch")
-    tol = 1e-3 if dtype == torch.float32 else 5e-2
-    for name, a, b in zip(["dq", "dk", "dv", "dS0", "dW0"], got, want):
-        assert rel(a, b) < tol, name
+    _check_grads(q, k, v, S0, W0, do, dtype, 0.999, 16 if dtype == torch.float32 else 64)
 
 
 @pytest.mark.parametrize("K,V", [(256, 256), (200, 72), (64, 256), (256, 16)])
@@ -108,23 +113,12 @@ def test_wide_heads_forward(K, V, poison):  # noqa: F811
 @pytest.mark.parametrize("dtype,K,V", [(torch.bfloat16, 256, 192), (torch.float32, 160, 48)])
 def test_wide_heads_gradients(dtype, K, V, poison):  # noqa: F811
     T, B, H = 515, 1, 2
-    C = 16 if dtype == torch.float32 else 64  # short compile of the fp32 ("ieee") kernels
     q, k, v = rand_qkv(B, T, H, K, V, seed=5, scale=0.15, device="cuda", dtype=dtype)
     do = torch.randn(B, T, H, V, device="cuda", dtype=torch.float64)
     S0 = torch.randn(B, H, K, K, device="cuda") * 0.02
     W0 = torch.randn(B, H, K, V, device="cuda") * 0.02
-
-    def run(dt, backend):
-        sd = torch.float64 if dt == torch.float64 else torch.float32
-        leaves = [x.detach().to(dt if i < 3 else sd).requires_grad_() for i, x in enumerate((q, k, v, S0, W0))]
-        o, _ = hla_fast.hla2(*leaves[:3], gamma=0.99, initial_state=hla_fast.HLA2State(leaves[3], leaves[4]),
-                             backend=backend, chunk_size=C)
-        (o.double() * do).sum().backward()
-        return [x.grad for x in leaves]
-
-    tol = 1e-3 if dtype == torch.float32 else 5e-2
-    for name, a, b in zip(["dq", "dk", "dv", "dS0", "dW0"], run(dtype, "triton"), run(torch.float64, "torch")):
-        assert rel(a, b) < tol, name
+    # 16-row chunks: short compile of the fp32 ("ieee") kernels
+    _check_grads(q, k, v, S0, W0, do, dtype, 0.99, 16 if dtype == torch.float32 else 64)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
