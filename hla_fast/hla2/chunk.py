@@ -62,13 +62,9 @@ def _bf16_dots(dtype):
     return dtype == torch.bfloat16 and not interpreter_on()
 
 
-# dot precision for fp32 inputs: "ieee" (exact fp32 products)
-FP32_PREC = "ieee"
-
-
 def _prec(dtype):
     # fp32 inputs get exact fp32 products; bf16/fp16 operands take the tensor cores
-    return FP32_PREC if dtype == torch.float32 else "tf32"
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _gamma_args(gamma):
@@ -97,6 +93,12 @@ def fwd_segments(n_programs, NT, device, per_sm=2):
     the single walk had taken 6.97-8.24 ms in the earlier runs, hence ``per_sm=1`` there."""
     if FWD_SEGMENTS is not None:
         return max(1, min(FWD_SEGMENTS, NT))
+    return _one_wave_segments(n_programs, NT, device, per_sm)
+
+
+def _one_wave_segments(n_programs, NT, device, per_sm):
+    """Most segments that keep n_programs * segments within one wave of per_sm programs per
+    multiprocessor, with at least MIN_SEGMENT_CHUNKS chunks each; 1 off CUDA."""
     if device.type != "cuda":
         return 1
     return max(1, min((per_sm * _sm_count(device)) // n_programs, NT // MIN_SEGMENT_CHUNKS))
@@ -131,7 +133,6 @@ def fwd_launch(q, k, v, gamma, s0, w0, chunk_size, mode="fused", store_final=Tru
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
-    cross = q2 is not None
     q2 = q if q2 is None else q2
     k2 = k if k2 is None else k2
     K2 = q2.shape[-1]
@@ -223,9 +224,9 @@ def bwd_segments(NT, BH, mode, num_warps, device):
     layout and 8-warp programs keep one segment until they are timed."""
     if BWD_SEGMENTS is not None:
         return max(1, min(BWD_SEGMENTS, NT))
-    if device.type != "cuda" or mode != "split" or num_warps != 4:
+    if mode != "split" or num_warps != 4:
         return 1
-    return max(1, min((2 * _sm_count(device)) // BH, NT // MIN_SEGMENT_CHUNKS))
+    return _one_wave_segments(BH, NT, device, per_sm=2)
 
 
 def bwd_chunk_size(K, V, chunk_size):
@@ -233,11 +234,17 @@ def bwd_chunk_size(K, V, chunk_size):
     return min(chunk_size, 64 if max(K, V) <= 64 else 32)
 
 
+def _even_blocks(n, width):
+    """Bounds (start, stop) cutting range(n) into the fewest blocks at most width long, as even
+    as possible."""
+    parts = cdiv(n, width)
+    edges = [round(i * n / parts) for i in range(parts + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
 def _value_blocks(V):
     """Bounds of value blocks at most TILE_MAX wide, as even as possible."""
-    n = cdiv(V, TILE_MAX)
-    edges = [round(i * V / n) for i in range(n + 1)]
-    return list(zip(edges[:-1], edges[1:]))
+    return _even_blocks(V, TILE_MAX)
 
 
 def bwd_launch(q, k, v, do, gamma, s0, w0, dht_s, dht_w, chunk_size, num_warps=None, mode=None,
@@ -275,11 +282,12 @@ def bwd_launch(q, k, v, do, gamma, s0, w0, dht_s, dht_w, chunk_size, num_warps=N
     k2 = k if k2 is None else k2
     K2 = q2.shape[-1]
     mode = bwd_mode(max(K, K2), V) if mode is None else mode
+    if mode not in ("split", "fused"):
+        raise ValueError(f"mode must be 'split' or 'fused', got {mode!r}")
     BT = chunk_size
     BK = _pow2(max(K, K2))
     BV = _pow2(V, _min_bv(q.device))
-    _, _, _, (cs_s, cs_w) = fwd_launch(q, k, v, gamma, s0, w0, BT, mode="states", store_final=False,
-                                       q2=q2 if cross else None, k2=k2 if cross else None)
+    _, _, _, (cs_s, cs_w) = fwd_launch(q, k, v, gamma, s0, w0, BT, mode="states", store_final=False, q2=q2, k2=k2)
     do = do.contiguous()
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
@@ -299,8 +307,6 @@ def bwd_launch(q, k, v, do, gamma, s0, w0, dht_s, dht_w, chunk_size, num_warps=N
                   PREC=_prec(q.dtype), num_stages=1)
     # 8 warps for the 128-wide tiles (the configuration measured on Hopper), else 4
     nw = num_warps if num_warps is not None else (8 if max(BK, BV) > 64 else 4)
-    if mode not in ("split", "fused"):
-        raise ValueError(f"mode must be 'split' or 'fused', got {mode!r}")
     NT = cdiv(T, BT)
     nseg = bwd_segments(NT, B * H, mode, nw, q.device) if segments is None else max(1, min(int(segments), NT))
     if BK > 64 and BV > 64:
@@ -374,11 +380,7 @@ class HLA2ChunkFunction(torch.autograd.Function):
 def _feature_blocks(K):
     """Bounds of feature blocks at most FEATURE_BLOCK wide, as even as possible (one block
     when K <= TILE_MAX)."""
-    if K <= TILE_MAX:
-        return [(0, K)]
-    n = cdiv(K, FEATURE_BLOCK)
-    edges = [round(i * K / n) for i in range(n + 1)]
-    return list(zip(edges[:-1], edges[1:]))
+    return [(0, K)] if K <= TILE_MAX else _even_blocks(K, FEATURE_BLOCK)
 
 
 def hla2_unnormalized(q, k, v, gamma, s0, w0, chunk_size):
@@ -399,22 +401,22 @@ def hla2_unnormalized(q, k, v, gamma, s0, w0, chunk_size):
     if len(blocks) == 1:
         return HLA2ChunkFunction.apply(q, k, None, None, v, s0, w0, gamma, chunk_size, mode,
                                        bwd_chunk_size(K, V, chunk_size), block_v)
+    # each block's features once, contiguous (the kernels read [B, T, H, width] tensors)
+    qs = [q[..., a0:a1].contiguous() for a0, a1 in blocks]
+    ks = [k[..., a0:a1].contiguous() for a0, a1 in blocks]
     o = None
     s_rows, w_rows = [], []
     for ia, (a0, a1) in enumerate(blocks):
-        qa, ka = q[..., a0:a1].contiguous(), k[..., a0:a1].contiguous()
         s_row, w_row = [], None
         for ib, (b0, b1) in enumerate(blocks):
             cross = ia != ib
-            qb = q[..., b0:b1].contiguous() if cross else None
-            kb = k[..., b0:b1].contiguous() if cross else None
             s0_ab = w0_ab = None
             if s0 is not None:
                 s0_ab = s0[..., a0:a1, b0:b1].contiguous()
                 # W's rows a start in the first pair of the row; the others start from zero
                 w0_ab = w0[..., a0:a1, :].contiguous() if ib == 0 else w0.new_zeros(B, H, a1 - a0, V)
             o_ab, s_ab, w_ab = HLA2ChunkFunction.apply(
-                qa, ka, qb, kb, v, s0_ab, w0_ab, gamma, chunk_size, mode,
+                qs[ia], ks[ia], qs[ib] if cross else None, ks[ib] if cross else None, v, s0_ab, w0_ab, gamma, chunk_size, mode,
                 bwd_chunk_size(max(a1 - a0, b1 - b0), min(V, TILE_MAX), chunk_size), block_v)
             o = o_ab.float() if o is None else o + o_ab.float()
             s_row.append(s_ab)
