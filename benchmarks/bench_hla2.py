@@ -289,6 +289,12 @@ def main():
         with open(path, "w") as f:
             json.dump(res, f, indent=1)
 
+    def record(section, row):
+        """Append a result row, show it (floats rounded) and save the JSON so far."""
+        res[section].append(row)
+        print(section, {k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()}, flush=True)
+        save()
+
     res["ceilings"] = ceilings(args.quick)
     save()
     print("ceilings", res["ceilings"], flush=True)
@@ -355,9 +361,7 @@ def main():
                         row["ms"] = median_ms(fn)
                     except Exception as e:  # noqa: BLE001
                         row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                    res["variants"].append(row)
-                    print("variant", row, flush=True)
-                    save()
+                    record("variants", row)
                 del q, k, v, do
                 torch.cuda.empty_cache()
 
@@ -381,9 +385,7 @@ def main():
                 if t and ev.key.startswith("_hla2"):
                     kernels[ev.key] = {"ms_per_step": t / 3 / 1e3, "calls_per_step": ev.count / 3}
             row = {"B": B, "H": H, "T": Tp, "K": D, "V": D, "kernels": kernels}
-            res["profile"].append(row)
-            print("profile", row, flush=True)
-            save()
+            record("profile", row)
             del q, k, v, do
             torch.cuda.empty_cache()
 
@@ -395,9 +397,7 @@ def main():
             do = torch.randn_like(v)
             row = {"B": B, "H": H, "T": T, "K": 256, "V": 256}
             time_candidates(row, {"hla_fast": hla, "sdpa": sdpa}, (q, k, v), do)
-            res["wide"].append(row)
-            print("wide", row, flush=True)
-            save()
+            record("wide", row)
             del q, k, v, do
             torch.cuda.empty_cache()
 
@@ -423,10 +423,7 @@ def main():
                 time_candidates(row, cands, (q, k, v), do)
                 if "hla_fast_fwd_ms" in row:
                     row["hla_fast_fwd_tflops"] = row["hla2_gflop_fwd"] / row["hla_fast_fwd_ms"]
-                res["main"].append(row)
-                print("main", {k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()},
-                      flush=True)
-                save()
+                record("main", row)
                 del q, k, v, do
                 torch.cuda.empty_cache()
 
@@ -443,9 +440,7 @@ def main():
                     qq.double(), kk.double(), vv.double(), gamma=0.999, backend="torch")[0]
                 o, _ = hla_fast.hla2(qq, kk, vv, gamma=0.999)
                 row[name] = float((o.double() - ref_d).norm() / ref_d.norm())
-            res["accuracy"].append(row)
-            print("accuracy", row, flush=True)
-            save()
+            record("accuracy", row)
 
     write_report(res, args.out, args.tag)
 
