@@ -211,11 +211,12 @@ def write_report(res, out, tag):
                          f"| {r['K']} | {r['T']} | " + " | ".join(cells) + " | - |")
     if res.get("variants"):
         lines += ["", "Kernel layouts (direct kernel launches, gamma = 0.999):", "",
-                  "| K=V | T | pass | layout | segments | stages | warps | chunk | ms |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| K=V | T | pass | layout | segments | stages | warps | chunk | grad launches | ms |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in res["variants"]:
+            parts = r.get("grad_parts", "-") if r["pass"] == "bwd" and r["mode"] == "split" else "-"
             lines.append(f"| {r['K']} | {r.get('T', '-')} | {r['pass']} | {r['mode']} | {r.get('segments', 1)} | "
-                         f"{r.get('num_stages', 1)} | {r.get('num_warps', 'auto')} | {r['chunk']} | "
+                         f"{r.get('num_stages', 1)} | {r.get('num_warps', 'auto')} | {r['chunk']} | {parts} | "
                          f"{r.get('ms', float('nan')):.3f} |")
     if res.get("profile"):
         lines += ["", "CUDA time per kernel, one forward + backward through `hla2()` (torch.profiler, ms):", "",
@@ -343,21 +344,24 @@ def main():
                 q, k, v = make_inputs(B, Tv, H, D, D)
                 do = torch.randn_like(v)
                 Cb = chunk.bwd_chunk_size(D, D, 64)
-                runs = [("fwd",) + lay for lay in fwd_layouts]
+                runs = [("fwd",) + lay + (None,) for lay in fwd_layouts]
                 # heads with K and V both above 64 walk in one segment (bwd_launch), so no segment rows there
-                runs += [("bwd", m, sg, 1, Cb, None) for m in ("split", "fused")
+                runs += [("bwd", m, sg, 1, Cb, None, None) for m in ("split", "fused")
                          for sg in ((1, 2, 4, 8) if D <= 64 else (1,))]
-                for kind, mode, seg, stages, C, warps in runs:
+                # the split layout's per-chunk gradient launches (1 dq, 2 dk, 4 dv)
+                runs += [("bwd", "split", None, 1, Cb, None, parts) for parts in ((7,), (1, 2, 4), (1, 6))]
+                for kind, mode, seg, stages, C, warps, parts in runs:
                     row = {"K": D, "V": D, "T": Tv, "pass": kind, "mode": mode, "chunk": C,
                            "segments": "auto" if seg is None else seg, "num_stages": stages,
-                           "num_warps": "auto" if warps is None else warps}
+                           "num_warps": "auto" if warps is None else warps,
+                           "grad_parts": "auto" if parts is None else list(parts)}
                     try:
                         if kind == "fwd":
                             fn = lambda: chunk.fwd_launch(q, k, v, 0.999, None, None, C, mode=mode, store_final=False,
                                                           segments=seg, num_stages=stages, num_warps=warps)
                         else:
                             fn = lambda: chunk.bwd_launch(q, k, v, do, 0.999, None, None, None, None, Cb, mode=mode,
-                                                          segments=seg)
+                                                          segments=seg, grad_parts=parts)
                         row["ms"] = median_ms(fn)
                     except Exception as e:  # noqa: BLE001
                         row["error"] = f"{type(e).__name__}: {str(e)[:200]}"

@@ -62,6 +62,20 @@ def _bf16_dots(dtype):
     return dtype == torch.bfloat16 and not interpreter_on()
 
 
+# Per-chunk snapshots of the split backward (chunk-start states, chunk-end state gradients)
+# in the dots' operand dtype (see chunk_kernels.py); False keeps them fp32 (for measurements).
+# On an H200 (bf16, B*H = 64, T = 32k, K = V = 64) bf16 snapshots took the backward from
+# 6.21 to 5.34 ms. The fused backward keeps fp32 snapshots: read as bf16, its 128-wide
+# kernel needs 258048 bytes of shared memory (the limit is 232448).
+SNAPSHOTS_IN_DOT_DTYPE = True
+
+
+def _snapshot_dtype(dtype, bwd_layout):
+    """dtype of the per-chunk snapshots for inputs of ``dtype`` and a backward layout."""
+    use_bf16 = SNAPSHOTS_IN_DOT_DTYPE and bwd_layout == "split" and _bf16_dots(dtype)
+    return torch.bfloat16 if use_bf16 else torch.float32
+
+
 def _prec(dtype):
     # fp32 inputs get exact fp32 products; bf16/fp16 operands take the tensor cores
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -121,15 +135,18 @@ def fwd_config(BH, K, V):
 
 
 def fwd_launch(q, k, v, gamma, s0, w0, chunk_size, mode="fused", store_final=True, block_v=None,
-               num_warps=None, num_stages=1, q2=None, k2=None, segments=None):
+               num_warps=None, num_stages=1, q2=None, k2=None, segments=None, snapshots=None):
     """Run the forward kernels.
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; q2, k2: [B, T, H, K2] or None (then q, k: plain
     HLA2); all contiguous. s0, w0: fp32 [B, H, K, K2], [B, H, K, V] or None.
     mode: "fused", "two_pass" or "states" (chunk-start states only, for the backward).
     segments: sequence segments run in parallel (None: ``fwd_segments``).
+    snapshots: None, or the dtype to store every chunk-start state in ("states" and
+    "two_pass" store them always, in fp32 unless told; "fused" stores them only when told,
+    for a backward that then skips recomputing them).
     Returns (o or None, S_T [B, H, K, K2], W_T [B, H, K, V],
-    (cs_s [B*H, NT, K, K2], cs_w [B*H, NT, K, V]) or None).
+    (cs_s [B*H, NT, K, K2], cs_w [B*H, NT, K, V]) or None), the final state in fp32.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -180,16 +197,20 @@ def fwd_launch(q, k, v, gamma, s0, w0, chunk_size, mode="fused", store_final=Tru
         h0_s, h0_w, has_init = seg_s, seg_w, True
     o = None
     cs = None
+    if mode != "fused" or snapshots is not None:
+        cs_dtype = f32 if snapshots is None else snapshots
+        cs = (torch.empty(BH, NT, K, K2, device=dev, dtype=cs_dtype),
+              torch.empty(BH, NT, K, V, device=dev, dtype=cs_dtype))
     if mode == "fused":
         o = torch.empty_like(v)
-        _hla2_fwd_kernel[(NV, nseg, BH)](q, k, q2, k2, v, o, h0_s, h0_w, ht_s, ht_w, ht_w, ht_s, ht_w,
-                                         log2g, T, NS, MODE=0, HAS_INIT=has_init, STORE_FINAL=store_final, **kw)
+        cs_s, cs_w = (ht_s, ht_w) if cs is None else cs
+        _hla2_fwd_kernel[(NV, nseg, BH)](q, k, q2, k2, v, o, h0_s, h0_w, ht_s, ht_w, ht_w, cs_s, cs_w,
+                                         log2g, T, NS, MODE=0 if cs is None else 4, HAS_INIT=has_init,
+                                         STORE_FINAL=store_final, **kw)
     else:
-        cs_s = torch.empty(BH, NT, K, K2, device=dev, dtype=f32)
-        cs_w = torch.empty(BH, NT, K, V, device=dev, dtype=f32)
+        cs_s, cs_w = cs
         _hla2_fwd_kernel[(NV, nseg, BH)](q, k, q2, k2, v, v, h0_s, h0_w, ht_s, ht_w, ht_w, cs_s, cs_w,
                                          log2g, T, NS, MODE=1, HAS_INIT=has_init, STORE_FINAL=store_final, **kw)
-        cs = (cs_s, cs_w)
         if mode == "two_pass":
             o = torch.empty_like(v)
             _hla2_fwd_kernel[(NV, NT, BH)](q, k, q2, k2, v, o, h0_s, h0_w, ht_s, ht_w, ht_w, cs_s, cs_w,
@@ -197,17 +218,20 @@ def fwd_launch(q, k, v, gamma, s0, w0, chunk_size, mode="fused", store_final=Tru
     return o, ht_s.view(B, H, K, K2), ht_w.view(B, H, K, V), cs
 
 
-# Backward layout used by hla2(): "split" or "fused" (see bwd_launch); None picks by head size:
-# on an H200 at T = 32k, B*H = 64, split took 7.3 ms against 14.8 ms fused at K = V = 64, but
-# 183 ms against 55 ms at K = V = 128 (its per-chunk kernel then holds too many 128 x 128 tiles).
+# Backward layout used by hla2(): "split" or "fused" (see bwd_launch); None: bwd_mode.
 BWD_MODE = None
 
 
 def bwd_mode(K, V):
-    """Backward layout for head sizes K, V."""
+    """Backward layout for head sizes K, V: split.
+
+    Measured on an H200 (bf16, B*H = 64, T = 32k): at K = V = 64 split took 7.3 ms against
+    14.8 ms fused. At K = V = 128 (chunks of 32) the fused walk took 55-58 ms; the split
+    layout took 183 ms while its per-chunk kernel computed every gradient in one program,
+    and 20.4 ms once dq and (dk, dv) came from two launches with 8 warps (bwd_grad_parts)."""
     if BWD_MODE is not None:
         return BWD_MODE
-    return "split" if max(K, V) <= 64 else "fused"
+    return "split"
 
 
 # Segments of the backward walks (the reverse of the forward's): None picks with bwd_segments.
@@ -229,9 +253,38 @@ def bwd_segments(NT, BH, mode, num_warps, device):
     return _one_wave_segments(BH, NT, device, per_sm=2)
 
 
+# How the split layout's per-chunk gradient kernel is launched: a tuple of PARTS masks
+# (1 dq, 2 dk, 4 dv), one launch each; None picks with bwd_grad_parts.
+BWD_GRAD_PARTS = None
+
+
+def bwd_grad_parts(K, V):
+    """Launches of the per-chunk gradient kernel: (7,) computes dq, dk, dv in one program,
+    (1, 6) dq in one and dk, dv in another.
+
+    Measured on an H200 (whole backward, bf16 snapshots, B*H = 64, T = 32k): at K = V = 64
+    (7,) 5.34 ms, (1, 2, 4) 4.59, (3, 4) 5.42, (5, 2) 4.57, (1, 6) 4.43; at K = V = 128
+    (chunks of 32, 8 warps) (7,) 24.7 ms, (1, 2, 4) 21.6, (1, 6) 20.4. One program holding
+    every 64-wide gradient spills registers and needs 147 kB of shared memory (one program
+    a multiprocessor); the dq kernel needs 90 kB, the (dk, dv) kernel 98 kB."""
+    if BWD_GRAD_PARTS is not None:
+        return tuple(BWD_GRAD_PARTS)
+    return (1, 6)
+
+
 def bwd_chunk_size(K, V, chunk_size):
     """Chunk of the backward: 64 rows for heads up to 64 wide, 32 above (fewer live tiles)."""
     return min(chunk_size, 64 if max(K, V) <= 64 else 32)
+
+
+def fwd_chunk_size(K, V, chunk_size):
+    """Chunk of the forward: at most 32 rows for heads wider than 64, else chunk_size.
+
+    Measured on an H200 (bf16, B*H = 64, T = 32k, one segment, 8 warps): K = V = 128 took
+    5.9 ms with chunks of 32 against 9.2 ms with 64; K = V = 64 (4 segments, 4 warps) took
+    1.10 ms with 64 against 1.45 ms with 32. Where both passes use the same chunk the
+    forward hands its chunk-start states to the backward."""
+    return min(chunk_size, 32) if max(K, V) > 64 else chunk_size
 
 
 def _even_blocks(n, width):
@@ -248,13 +301,16 @@ def _value_blocks(V):
 
 
 def bwd_launch(q, k, v, do, gamma, s0, w0, dht_s, dht_w, chunk_size, num_warps=None, mode=None,
-               q2=None, k2=None, segments=None):
+               q2=None, k2=None, segments=None, grad_parts=None, states=None):
     """Gradients of the unnormalized (cross) operator.
 
     q, k: [B, T, H, K]; q2, k2: [B, T, H, K2] or None; v, do: [B, T, H, V];
     s0, w0: initial state or None; dht_s [B, H, K, K2], dht_w [B, H, K, V]: gradient of the
     final state or None. mode: "split" or "fused" (None: ``bwd_mode``). segments: sequence
-    segments whose backward walks run in parallel (None: ``bwd_segments``).
+    segments whose backward walks run in parallel (None: ``bwd_segments``). grad_parts: the
+    split layout's gradient launches (None: ``bwd_grad_parts``). states: the chunk-start
+    snapshots (cs_s, cs_w) a forward with the same chunk size stored (``fwd_launch``'s
+    ``snapshots``), or None to recompute them.
     Returns dq, dk, dq2, dk2 (None unless cross; input dtypes), dv, dS0, dW0 (fp32, None
     without s0).
     """
@@ -267,7 +323,7 @@ def bwd_launch(q, k, v, do, gamma, s0, w0, dht_s, dht_w, chunk_size, num_warps=N
                 q, k, v[..., a:b].contiguous(), do[..., a:b].contiguous(), gamma, s0,
                 None if w0 is None else w0[..., a:b].contiguous(), dht_s if j == 0 else None,
                 None if dht_w is None else dht_w[..., a:b].contiguous(), chunk_size, num_warps, mode, q2, k2,
-                segments))
+                segments, grad_parts))  # the value blocks recompute their chunk-start states
 
         def total(i):
             return None if outs[0][i] is None else sum(o[i] for o in outs)
@@ -287,7 +343,10 @@ def bwd_launch(q, k, v, do, gamma, s0, w0, dht_s, dht_w, chunk_size, num_warps=N
     BT = chunk_size
     BK = _pow2(max(K, K2))
     BV = _pow2(V, _min_bv(q.device))
-    _, _, _, (cs_s, cs_w) = fwd_launch(q, k, v, gamma, s0, w0, BT, mode="states", store_final=False, q2=q2, k2=k2)
+    if states is None or states[0].dtype != _snapshot_dtype(q.dtype, mode):
+        states = fwd_launch(q, k, v, gamma, s0, w0, BT, mode="states", store_final=False, q2=q2, k2=k2,
+                            snapshots=_snapshot_dtype(q.dtype, mode))[3]
+    cs_s, cs_w = states
     do = do.contiguous()
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
@@ -344,9 +403,13 @@ def bwd_launch(q, k, v, do, gamma, s0, w0, dht_s, dht_w, chunk_size, num_warps=N
         _hla2_bwd_state_kernel[(nseg, B * H)](
             q, q2, v, do, ds_end, dw_end, de_s, de_w, dh0_s, dh0_w, cs_s, log2g, T, NS,
             HAS_DHT=has_dht, STORE_DH0=walk_dh0, SUMMARY=False, num_warps=nw, **common)
-        _hla2_bwd_grad_kernel[(NT, B * H)](
-            q, k, q2, k2, v, do, dq, dk, dq2, dk2, dv, cs_s, cs_w, ds_end, dw_end, log2g, T,
-            CROSS=cross, num_warps=nw, **common)
+        parts = bwd_grad_parts(max(K, K2), V) if grad_parts is None else tuple(grad_parts)
+        if sorted(p_ for m in parts for p_ in (1, 2, 4) if m & p_) != [1, 2, 4]:
+            raise ValueError(f"grad_parts must cover dq (1), dk (2) and dv (4) once each, got {parts!r}")
+        for m in parts:
+            _hla2_bwd_grad_kernel[(NT, B * H)](
+                q, k, q2, k2, v, do, dq, dk, dq2, dk2, dv, cs_s, cs_w, ds_end, dw_end, log2g, T,
+                CROSS=cross, PARTS=m, num_warps=nw, **common)
     return (dq, dk, dq2 if cross else None, dk2 if cross else None, dv,
             dh0_s if store_dh0 else None, dh0_w if store_dh0 else None)
 
@@ -361,19 +424,30 @@ class HLA2ChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, q2, k2, v, s0, w0, gamma, chunk_size, mode, bwd_chunk_size, block_v=None):
-        o, st, wt, _ = fwd_launch(q, k, v, gamma, s0, w0, chunk_size, mode=mode, block_v=block_v, q2=q2, k2=k2)
-        ctx.save_for_backward(q, k, q2, k2, v, s0, w0)
+        # A forward that will be differentiated stores its chunk-start states for the backward
+        # when the backward would recompute the same ones (split layout, same chunk, one value
+        # block): the backward then skips one pass over the sequence. They take
+        # (K*K2 + K*V) values a chunk in the snapshot dtype (bf16 for bf16 inputs).
+        K, K2, V = q.shape[-1], (q if q2 is None else q2).shape[-1], v.shape[-1]
+        save = (any(ctx.needs_input_grad[:7]) and mode == "fused" and bwd_chunk_size == chunk_size
+                and V <= TILE_MAX and bwd_mode(max(K, K2), V) == "split")
+        snap = _snapshot_dtype(q.dtype, "split") if save else None
+        o, st, wt, cs = fwd_launch(q, k, v, gamma, s0, w0, chunk_size, mode=mode, block_v=block_v, q2=q2, k2=k2,
+                                   snapshots=snap)
+        cs = (None, None) if cs is None else cs
+        ctx.save_for_backward(q, k, q2, k2, v, s0, w0, *cs)
         ctx.gamma = gamma
         ctx.bwd_chunk_size = bwd_chunk_size
         return o, st, wt
 
     @staticmethod
     def backward(ctx, do, dst, dwt):
-        q, k, q2, k2, v, s0, w0 = ctx.saved_tensors
+        q, k, q2, k2, v, s0, w0, cs_s, cs_w = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(v)
         dq, dk, dq2, dk2, dv, ds0, dw0 = bwd_launch(q, k, v, do, ctx.gamma, s0, w0, dst, dwt,
-                                                    ctx.bwd_chunk_size, q2=q2, k2=k2)
+                                                    ctx.bwd_chunk_size, q2=q2, k2=k2,
+                                                    states=None if cs_s is None else (cs_s, cs_w))
         return dq, dk, dq2, dk2, dv, ds0, dw0, None, None, None, None, None
 
 
@@ -399,7 +473,7 @@ def hla2_unnormalized(q, k, v, gamma, s0, w0, chunk_size):
     mode, block_v = fwd_config(B * H, K, V)
     blocks = _feature_blocks(K)
     if len(blocks) == 1:
-        return HLA2ChunkFunction.apply(q, k, None, None, v, s0, w0, gamma, chunk_size, mode,
+        return HLA2ChunkFunction.apply(q, k, None, None, v, s0, w0, gamma, fwd_chunk_size(K, V, chunk_size), mode,
                                        bwd_chunk_size(K, V, chunk_size), block_v)
     # each block's features once, contiguous (the kernels read [B, T, H, width] tensors)
     qs = [q[..., a0:a1].contiguous() for a0, a1 in blocks]
@@ -415,9 +489,10 @@ def hla2_unnormalized(q, k, v, gamma, s0, w0, chunk_size):
                 s0_ab = s0[..., a0:a1, b0:b1].contiguous()
                 # W's rows a start in the first pair of the row; the others start from zero
                 w0_ab = w0[..., a0:a1, :].contiguous() if ib == 0 else w0.new_zeros(B, H, a1 - a0, V)
+            wid = max(a1 - a0, b1 - b0)
             o_ab, s_ab, w_ab = HLA2ChunkFunction.apply(
-                qs[ia], ks[ia], qs[ib] if cross else None, ks[ib] if cross else None, v, s0_ab, w0_ab, gamma, chunk_size, mode,
-                bwd_chunk_size(max(a1 - a0, b1 - b0), min(V, TILE_MAX), chunk_size), block_v)
+                qs[ia], ks[ia], qs[ib] if cross else None, ks[ib] if cross else None, v, s0_ab, w0_ab, gamma,
+                fwd_chunk_size(wid, V, chunk_size), mode, bwd_chunk_size(wid, min(V, TILE_MAX), chunk_size), block_v)
             o = o_ab.float() if o is None else o + o_ab.float()
             s_row.append(s_ab)
             w_row = w_ab if w_row is None else w_row + w_ab

@@ -2,7 +2,12 @@
 
 Layout follows flash-linear-attention: ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]``
 (contiguous). States are fp32 ``S: [B*H, K, K2]`` and ``W: [B*H, K, V]`` whatever
-the input dtype.
+the input dtype: every walk carries them, and every fold, in fp32. The per-chunk
+snapshots that the backward stores for its parallel kernel (chunk-start states and
+chunk-end state gradients) are only ever read as dot operands, so they are stored in
+the dots' operand dtype (bf16 for bf16 inputs, fp32 otherwise): rounding them on store
+is the rounding each dot applied on load anyway (the one sum dS + dS^T of plain HLA2
+is taken after rounding its two terms instead of before).
 
 The kernels compute the *cross* operator with an outer pair (q, k) and an inner
 pair (q2, k2):
@@ -132,18 +137,19 @@ def _hla2_fwd_kernel(
     q, k, q2, k2, v, o,  # q, k: [B, T, H, K]; q2, k2: [B, T, H, K2]; v, o: [B, T, H, V]
     h0_s, h0_w,          # start states, fp32: [B*H*NSEG, K, K2], [B*H*NSEG, K, V] (one per segment)
     ht_s, ht_w, ht_c,    # final state [B*H, K, K2], [B*H, K, V]; MODE 3: segment sums (+ C [.., K2, V])
-    cs_s, cs_w,          # chunk-start states, fp32: [B*H, NT, K, K2], [B*H, NT, K, V]
+    cs_s, cs_w,          # chunk-start snapshots (fp32, or bf16 with bf16 dots): [B*H, NT, K, K2], [B*H, NT, K, V]
     log2g, T, NS,        # log2(gamma), sequence length, chunks per segment
     H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     MODE: tl.constexpr,  # 0: outputs + state, 1: store chunk-start states, 2: outputs from stored
-                         # states (one chunk a program), 3: segment summary (S, C, W) from zero
+                         # states (one chunk a program), 3: segment summary (S, C, W) from zero,
+                         # 4: outputs + state + chunk-start states (a forward that saves for the backward)
     USE_G: tl.constexpr, HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
     IS_BF16: tl.constexpr, PREC: tl.constexpr,
 ):
     # -- which piece of work this program owns --------------------------------
     i_v = tl.program_id(0)   # value block
-    i_n = tl.program_id(1)   # segment (MODE 0, 1, 3) or chunk (MODE 2)
+    i_n = tl.program_id(1)   # segment (MODE 0, 1, 3, 4) or chunk (MODE 2)
     i_bh = tl.program_id(2)  # batch * head
     NSEG = tl.num_programs(1)
     i_b = i_bh // H
@@ -192,12 +198,12 @@ def _hla2_fwd_kernel(
         b_y = tl.dot(b_k2, b_q2t, input_precision=PREC)
         b_ym = tl.where(upper, b_y, 0.0)
 
-        if MODE == 1:
+        if MODE == 1 or MODE == 4:
             # store the state at this chunk's start (S once, by the first value block)
             if i_v == 0:
                 _put(cs_s + (i_bh.to(tl.int64) * NT + i_c) * K * K2, S, rk, mk, rk, mk2, K2)
             _put(cs_w + (i_bh.to(tl.int64) * NT + i_c) * K * V, W, rk, mk, rv, mv, V)
-        if MODE == 0 or MODE == 2:
+        if MODE == 0 or MODE == 2 or MODE == 4:
             b_q = _rows(q_base, t, mt, rk, mk, H * K, IS_BF16)
             # X = Q K^T, A = X o G (decay g^(r-i) on i <= r)
             b_x = tl.dot(b_q, b_kt, input_precision=PREC)
@@ -399,22 +405,33 @@ def _chunk_tiles(q_base, k_base, q2_base, k2_base, v_base, do_base, t, mt, rk, m
 
 
 @triton.jit
+def _store_pair(d, d2, off_k, off_k2, t, m_tk, m_tk2, rk, b_d, b_d2,
+                H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, CROSS: tl.constexpr):
+    """One gradient of the outer pair into d ([B, T, H, K]) and of the inner pair into d2
+    ([.., K2]). Not CROSS: the pairs are one tensor and b_d2 holds its whole gradient."""
+    if CROSS:
+        tl.store(d + off_k + t[:, None] * (H * K) + rk[None, :], b_d.to(d.dtype.element_ty), mask=m_tk)
+        tl.store(d2 + off_k2 + t[:, None] * (H * K2) + rk[None, :], b_d2.to(d2.dtype.element_ty), mask=m_tk2)
+    else:
+        tl.store(d + off_k + t[:, None] * (H * K) + rk[None, :], b_d2.to(d.dtype.element_ty), mask=m_tk)
+
+
+@triton.jit
 def _store_grads(dq, dk, dq2, dk2, dv, off_k, off_k2, off_v, t, mt, rk, mk, mk2, rv, mv,
                  b_dq, b_dk, b_dq2, b_dk2, b_dv,
                  H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr,
-                 CROSS: tl.constexpr):
+                 CROSS: tl.constexpr, PARTS: tl.constexpr):
+    """Store the gradients PARTS selects: bit 1 dq (and dq2), bit 2 dk (and dk2), bit 4 dv.
+    What no stored gradient needs is never computed: the compiler drops unused dots and loads."""
     m_tk = mt[:, None] & mk[None, :]
-    if CROSS:
-        m_tk2 = mt[:, None] & mk2[None, :]
-        tl.store(dq + off_k + t[:, None] * (H * K) + rk[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
-        tl.store(dk + off_k + t[:, None] * (H * K) + rk[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
-        tl.store(dq2 + off_k2 + t[:, None] * (H * K2) + rk[None, :], b_dq2.to(dq2.dtype.element_ty), mask=m_tk2)
-        tl.store(dk2 + off_k2 + t[:, None] * (H * K2) + rk[None, :], b_dk2.to(dk2.dtype.element_ty), mask=m_tk2)
-    else:
-        tl.store(dq + off_k + t[:, None] * (H * K) + rk[None, :], b_dq2.to(dq.dtype.element_ty), mask=m_tk)
-        tl.store(dk + off_k + t[:, None] * (H * K) + rk[None, :], b_dk2.to(dk.dtype.element_ty), mask=m_tk)
-    tl.store(dv + off_v + t[:, None] * (H * V) + rv[None, :], b_dv.to(dv.dtype.element_ty),
-             mask=mt[:, None] & mv[None, :])
+    m_tk2 = mt[:, None] & mk2[None, :]
+    if PARTS & 1:
+        _store_pair(dq, dq2, off_k, off_k2, t, m_tk, m_tk2, rk, b_dq, b_dq2, H, K, K2, CROSS)
+    if PARTS & 2:
+        _store_pair(dk, dk2, off_k, off_k2, t, m_tk, m_tk2, rk, b_dk, b_dk2, H, K, K2, CROSS)
+    if PARTS & 4:
+        tl.store(dv + off_v + t[:, None] * (H * V) + rv[None, :], b_dv.to(dv.dtype.element_ty),
+                 mask=mt[:, None] & mv[None, :])
 
 
 @triton.jit
@@ -449,7 +466,7 @@ def _dstate_step(d_s, d_w, b_qt, b_q2, b_vgt, c_dn, b_do, g1, g2, gC,
 def _hla2_bwd_kernel(
     q, k, q2, k2, v, do,   # q, k: [B, T, H, K]; q2, k2: [B, T, H, K2]; v, do: [B, T, H, V]
     dq, dk, dq2, dk2, dv,  # gradients, same shapes and dtypes (dq2, dk2 written when CROSS)
-    cs_s, cs_w,            # chunk-start states from the MODE 1 forward, fp32
+    cs_s, cs_w,            # chunk-start snapshots from the MODE 1 forward (fp32, or bf16 with bf16 dots)
     de_s, de_w,            # gradient of each segment's END state, fp32: [B*H*NSEG, K, K2], [B*H*NSEG, K, V]
                            # (one segment: the gradient of the final state)
     dh0_s, dh0_w,          # gradient of the initial state, fp32 (written if STORE_DH0)
@@ -501,7 +518,7 @@ def _hla2_bwd_kernel(
             b_s0, b_s0t, b_w0t, d_s, d_st, d_w, d_wt,
             G, g1, g2, gl, gC, lower, upper, CROSS, IS_BF16, PREC)
         _store_grads(dq, dk, dq2, dk2, dv, off_k, off_k2, off_v, t, mt, rk, mk, mk2, rv, mv,
-                     b_dq, b_dk, b_dq2, b_dk2, b_dv, H, K, K2, V, CROSS)
+                     b_dq, b_dk, b_dq2, b_dk2, b_dv, H, K, K2, V, CROSS, 7)
 
         # -- gradients w.r.t. this chunk's start state ---------------------------------
         # dS0 = gC dS + gC dW Vg^T Q2 + Q^T diag(g1) dN Q2   (and its transpose). Written out here
@@ -532,7 +549,7 @@ def _hla2_bwd_kernel(
 @triton.jit
 def _hla2_bwd_state_kernel(
     q, q2, v, do,          # q: [B, T, H, K]; q2: [B, T, H, K2]; v, do: [B, T, H, V]
-    ds_end, dw_end,        # out, fp32: gradient w.r.t. each chunk's END state, [B*H, NT, K, K2], [B*H, NT, K, V]
+    ds_end, dw_end,        # out: gradient w.r.t. each chunk's END state (snapshot dtype), [B*H, NT, K, K2], [.., K, V]
     de_s, de_w,            # gradient of each segment's END state, fp32: [B*H*NSEG, K, K2], [B*H*NSEG, K, V]
     dh0_s, dh0_w, sum_p,   # gradient of the initial state (STORE_DH0); SUMMARY: segment sums, P [.., V, K2]
     log2g, T, NS,          # NS: chunks per segment
@@ -632,14 +649,17 @@ def _hla2_bwd_seg_combine_kernel(
 def _hla2_bwd_grad_kernel(
     q, k, q2, k2, v, do,   # q, k: [B, T, H, K]; q2, k2: [B, T, H, K2]; v, do: [B, T, H, V]
     dq, dk, dq2, dk2, dv,  # gradients, same shapes and dtypes (dq2, dk2 written when CROSS)
-    cs_s, cs_w,            # chunk-start states (forward), fp32: [B*H, NT, K, K2], [B*H, NT, K, V]
+    cs_s, cs_w,            # chunk-start snapshots (forward): [B*H, NT, K, K2], [B*H, NT, K, V]
     ds_end, dw_end,        # chunk-end state gradients (backward state pass), same shapes
     log2g, T,
     H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, CROSS: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
+    PARTS: tl.constexpr,   # which gradients this launch stores (see _store_grads): 7 all, or a subset
 ):
-    # one program per (chunk, batch*head): every chunk is independent here
+    # one program per (chunk, batch*head): every chunk is independent here. A launch that stores
+    # only some gradients compiles to a smaller kernel (fewer live tiles, more programs a
+    # multiprocessor); the launcher may split the gradients over several launches.
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1)
     NT = tl.cdiv(T, BT)
@@ -655,14 +675,14 @@ def _hla2_bwd_grad_kernel(
     b_s0 = _cast(_mat(cs_s + off_s, rk, mk, rk, mk2, K2), IS_BF16)
     b_s0t = _cast(_mat_t(cs_s + off_s, rk, mk2, rk, mk, K2), IS_BF16)
     b_w0t = _cast(_mat_t(cs_w + off_w, rv, mv, rk, mk, V), IS_BF16)
-    d_s = _mat(ds_end + off_s, rk, mk, rk, mk2, K2)
-    d_st = _mat_t(ds_end + off_s, rk, mk2, rk, mk, K2)
-    d_w = _mat(dw_end + off_w, rk, mk, rv, mv, V)
-    d_wt = _mat_t(dw_end + off_w, rv, mv, rk, mk, V)
+    d_s = _mat(ds_end + off_s, rk, mk, rk, mk2, K2).to(tl.float32)
+    d_st = _mat_t(ds_end + off_s, rk, mk2, rk, mk, K2).to(tl.float32)
+    d_w = _mat(dw_end + off_w, rk, mk, rv, mv, V).to(tl.float32)
+    d_wt = _mat_t(dw_end + off_w, rv, mv, rk, mk, V).to(tl.float32)
     G, g1, g2, gl, gC = _decays(log2g, T, i_c, BT, USE_G)
     b_dq, b_dk, b_dq2, b_dk2, b_dv, c_dn, c_dnt = _bwd_chunk_grads(
         b_q, b_qt, b_k, b_kt, b_q2, b_q2t, b_k2, b_k2t, b_v, b_vt, b_do, b_dot,
         b_s0, b_s0t, b_w0t, d_s, d_st, d_w, d_wt,
         G, g1, g2, gl, gC, lower, upper, CROSS, IS_BF16, PREC)
     _store_grads(dq, dk, dq2, dk2, dv, off_k, off_k2, off_v, t, mt, rk, mk, mk2, rv, mv,
-                 b_dq, b_dk, b_dq2, b_dk2, b_dv, H, K, K2, V, CROSS)
+                 b_dq, b_dk, b_dq2, b_dk2, b_dv, H, K, K2, V, CROSS, PARTS)

@@ -51,7 +51,9 @@ def hla2(q, k, v, *, gamma=None, normalize=False, eps=1e-6, initial_state=None,
         initial_state: HLA2State(S [B, H, K, K], W [B, H, K, V], z [B, H, K] if normalize),
             fp32 (float64 on the float64 torch path), or None for zeros.
         output_final_state: also return the state after the last token.
-        chunk_size: rows per chunk (16, 32, 64 or 128 on the triton backend).
+        chunk_size: rows per chunk (16, 32, 64 or 128 on the triton backend). The triton
+            kernels take at most 32 rows for heads wider than 64, and the backward at most
+            64 (measured layouts, see hla_fast/README.md); the result does not depend on it.
         backend: "triton", "torch" or None (triton for CUDA tensors, torch otherwise).
 
     Returns:

@@ -198,6 +198,30 @@ def test_wide_head_normalized_with_carry_over(device, poison):  # noqa: F811
         assert rel(a, b) < 1e-5
 
 
+def _backward_case(device, cross, T, seed, plain_dims):
+    """Inputs of a backward check: (q, k, q2, k2, v) (q2 = k2 = None unless cross), a start
+    state (S0, W0), and cotangents dO, dS_T, dW_T, all float32."""
+    K, K2, V = (12, 20, 16) if cross else plain_dims
+    q, k, q2, k2, v = _cross_inputs(device, B=1, T=T, K=K, K2=K2, V=V, seed=seed)
+    if not cross:
+        q2 = k2 = None
+    gen = torch.Generator().manual_seed(seed + 1)
+    S0 = (torch.randn(1, 2, K, K2, generator=gen) * 0.2).to(device)
+    W0 = (torch.randn(1, 2, K, V, generator=gen) * 0.2).to(device)
+    do = torch.randn(1, T, 2, V, generator=gen).to(device)
+    dS = torch.randn(1, 2, K, K2, generator=gen).to(device)
+    dW = torch.randn(1, 2, K, V, generator=gen).to(device)
+    return (q, k, q2, k2, v), (S0, W0), (do, dS, dW)
+
+
+def _assert_same_grads(a, b, tol):
+    """Two bwd_launch results: the same gradients present, each within tol (relative)."""
+    for x, y in zip(a, b):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert rel(y, x) < tol
+
+
 @pytest.mark.parametrize("mode", ["split", "fused"])
 @pytest.mark.parametrize("segments", [3, 7])
 @pytest.mark.parametrize("cross", [False, True])
@@ -205,23 +229,11 @@ def test_segmented_backward_equals_one_walk(mode, segments, cross, device, poiso
     """Backward walks run per segment from end gradients folded last to first (the reverse of the
     forward's fold): every gradient, the initial state's included, equals the single walk.
     T = 100: 7 chunks of 16, cut into segments of 3, 3 and 1 chunks, or 7 single chunks."""
-    K, K2, V = (12, 20, 16) if cross else (16, 16, 16)
-    q, k, q2, k2, v = _cross_inputs(device, B=1, T=100, K=K, K2=K2, V=V, seed=37)
-    if not cross:
-        q2 = k2 = None
-    gen = torch.Generator().manual_seed(38)
-    S0 = (torch.randn(1, 2, K, K2, generator=gen) * 0.2).to(device)
-    W0 = (torch.randn(1, 2, K, V, generator=gen) * 0.2).to(device)
-    do = torch.randn(1, 100, 2, V, generator=gen).to(device)
-    dS = torch.randn(1, 2, K, K2, generator=gen).to(device)
-    dW = torch.randn(1, 2, K, V, generator=gen).to(device)
+    (q, k, q2, k2, v), (S0, W0), (do, dS, dW) = _backward_case(device, cross, 100, 37, (16, 16, 16))
     for dS_, dW_ in ((dS, dW), (None, None)):
         a = chunk.bwd_launch(q, k, v, do, 0.9, S0, W0, dS_, dW_, 16, mode=mode, q2=q2, k2=k2, segments=1)
         b = chunk.bwd_launch(q, k, v, do, 0.9, S0, W0, dS_, dW_, 16, mode=mode, q2=q2, k2=k2, segments=segments)
-        for x, y in zip(a, b):
-            assert (x is None) == (y is None)
-            if x is not None:
-                assert rel(y, x) < 1e-5
+        _assert_same_grads(a, b, 1e-5)
 
 
 def test_segment_rules(monkeypatch):
@@ -243,3 +255,54 @@ def test_segment_rules(monkeypatch):
     assert chunk.bwd_segments(512, 64, "split", 4, cpu) == 1
     monkeypatch.setattr(chunk, "BWD_SEGMENTS", 3)
     assert chunk.bwd_segments(512, 64, "fused", 8, cuda) == 3
+
+
+def test_layout_rules(monkeypatch):
+    """The measured layout rules: split backward with dq and (dk, dv) from two launches, chunks
+    of at most 32 rows in the forward and backward of heads wider than 64."""
+    assert chunk.bwd_mode(64, 64) == chunk.bwd_mode(128, 128) == "split"
+    assert chunk.bwd_grad_parts(64, 64) == chunk.bwd_grad_parts(128, 128) == (1, 6)
+    assert chunk.fwd_chunk_size(64, 64, 64) == 64 and chunk.fwd_chunk_size(64, 64, 128) == 128
+    assert chunk.fwd_chunk_size(128, 128, 64) == 32 and chunk.fwd_chunk_size(64, 96, 16) == 16
+    assert chunk.bwd_chunk_size(64, 64, 128) == 64 and chunk.bwd_chunk_size(96, 64, 64) == 32
+    monkeypatch.setattr(chunk, "BWD_MODE", "fused")
+    monkeypatch.setattr(chunk, "BWD_GRAD_PARTS", [7])
+    assert chunk.bwd_mode(64, 64) == "fused" and chunk.bwd_grad_parts(64, 64) == (7,)
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_gradient_launches_split_by_part(cross, device, poison):  # noqa: F811
+    """The split layout's per-chunk gradient kernel can store dq, dk and dv from separate
+    launches (each compiles to a smaller kernel): every grouping gives the same gradients,
+    and a grouping that misses or repeats a gradient is refused."""
+    (q, k, q2, k2, v), (S0, W0), (do, dS, _) = _backward_case(device, cross, 45, 41, (16, 16, 24))
+
+    def grads(parts):
+        return chunk.bwd_launch(q, k, v, do, 0.9, S0, W0, dS, None, 16, mode="split", q2=q2, k2=k2,
+                                grad_parts=parts)
+
+    whole = grads((7,))
+    for parts in ((1, 2, 4), (3, 4), (5, 2)):
+        _assert_same_grads(whole, grads(parts), 1e-6)
+    for bad in ((1, 2), (3, 6), (7, 1)):
+        with pytest.raises(ValueError, match="grad_parts"):
+            grads(bad)
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_backward_from_saved_states(cross, device, poison):  # noqa: F811
+    """A fused forward that stores its chunk-start states (MODE 4) gives the same outputs as
+    one that does not, the same states as the states-only pass, and a backward that starts
+    from them gives the gradients of one that recomputes them."""
+    (q, k, q2, k2, v), (S0, W0), (do, _, _) = _backward_case(device, cross, 45, 43, (16, 16, 24))
+    plain = chunk.fwd_launch(q, k, v, 0.9, S0, W0, 16, q2=q2, k2=k2, segments=2)
+    saved = chunk.fwd_launch(q, k, v, 0.9, S0, W0, 16, q2=q2, k2=k2, segments=2, snapshots=torch.float32)
+    states = chunk.fwd_launch(q, k, v, 0.9, S0, W0, 16, mode="states", q2=q2, k2=k2, segments=1)[3]
+    assert plain[3] is None
+    for x, y in zip(plain[:3], saved[:3]):
+        assert rel(y, x) < 1e-6
+    for x, y in zip(states, saved[3]):
+        assert rel(y, x) < 1e-5
+    a = chunk.bwd_launch(q, k, v, do, 0.9, S0, W0, None, None, 16, mode="split", q2=q2, k2=k2)
+    b = chunk.bwd_launch(q, k, v, do, 0.9, S0, W0, None, None, 16, mode="split", q2=q2, k2=k2, states=saved[3])
+    _assert_same_grads(a, b, 1e-5)
