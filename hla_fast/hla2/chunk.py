@@ -414,6 +414,16 @@ def bwd_launch(q, k, v, do, gamma, s0, w0, dht_s, dht_w, chunk_size, num_warps=N
             dh0_s if store_dh0 else None, dh0_w if store_dh0 else None)
 
 
+# Whether a forward that will be differentiated stores its chunk-start states for the backward
+# (see HLA2ChunkFunction.forward). True trades memory, held from the forward to the backward, for
+# one pass over the sequence. At B=4, H=16, T=32k, bf16 on an H200 (benchmarks/results/hla2_h200.md,
+# profile, and hla2_h200_variants.md): K = V = 64 holds 0.5 GB (twice the size of q); storing costs the
+# forward 0.40 ms (1.48 against 1.08) and saves the backward 0.91 ms (3.50 against 4.41), so fwd+bwd
+# 4.98 ms instead of about 5.5. K = V = 128 (chunks of 32) holds 4.3 GB; it costs 2.2 ms and saves
+# 3.8 ms. False recomputes the states in the backward and holds nothing extra.
+SAVE_CHUNK_STATES = True
+
+
 class HLA2ChunkFunction(torch.autograd.Function):
     """Autograd wrapper of the unnormalized Triton (cross) HLA2.
 
@@ -429,7 +439,7 @@ class HLA2ChunkFunction(torch.autograd.Function):
         # block): the backward then skips one pass over the sequence. They take
         # (K*K2 + K*V) values a chunk in the snapshot dtype (bf16 for bf16 inputs).
         K, K2, V = q.shape[-1], (q if q2 is None else q2).shape[-1], v.shape[-1]
-        save = (any(ctx.needs_input_grad[:7]) and mode == "fused" and bwd_chunk_size == chunk_size
+        save = (SAVE_CHUNK_STATES and any(ctx.needs_input_grad[:7]) and mode == "fused" and bwd_chunk_size == chunk_size
                 and V <= TILE_MAX and bwd_mode(max(K, K2), V) == "split")
         snap = _snapshot_dtype(q.dtype, "split") if save else None
         o, st, wt, cs = fwd_launch(q, k, v, gamma, s0, w0, chunk_size, mode=mode, block_v=block_v, q2=q2, k2=k2,

@@ -306,3 +306,25 @@ def test_backward_from_saved_states(cross, device, poison):  # noqa: F811
     a = chunk.bwd_launch(q, k, v, do, 0.9, S0, W0, None, None, 16, mode="split", q2=q2, k2=k2)
     b = chunk.bwd_launch(q, k, v, do, 0.9, S0, W0, None, None, 16, mode="split", q2=q2, k2=k2, states=saved[3])
     _assert_same_grads(a, b, 1e-5)
+
+
+@pytest.mark.parametrize("save", [True, False])
+def test_hla2_gradients_with_and_without_saved_states(save, monkeypatch, device, poison):  # noqa: F811
+    """hla2() through autograd: whether the forward keeps its chunk-start states for the backward
+    (SAVE_CHUNK_STATES) or the backward recomputes them, the gradients match the float64 torch path."""
+    monkeypatch.setattr(chunk, "SAVE_CHUNK_STATES", save)
+    calls = []
+    launch = chunk.fwd_launch
+    monkeypatch.setattr(chunk, "fwd_launch", lambda *a, **kw: calls.append(kw.get("mode")) or launch(*a, **kw))
+    q, k, _, _, v = _cross_inputs(device, B=1, T=37, K=12, K2=12, V=20, seed=45)
+    do = torch.randn(1, 37, 2, 20, generator=torch.Generator().manual_seed(46)).to(device)
+    grads = []
+    for backend, dt in (("triton", torch.float32), ("torch", torch.float64)):
+        leaves = [x.detach().to(dt).requires_grad_() for x in (q, k, v)]
+        o, _ = hla_fast.hla2(*leaves, gamma=0.9, chunk_size=16, backend=backend)
+        o.backward(do.to(dt))
+        grads.append([x.grad for x in leaves])
+    for a, b in zip(*grads):
+        assert rel(a, b) < 1e-5
+    # the triton forward ran once; the backward recomputed the states only when they were not kept
+    assert calls == (["fused"] if save else ["fused", "states"])
