@@ -340,6 +340,9 @@ def bwd_launch(q, k, v, do, gamma, s0, w0, dht_s, dht_w, chunk_size, num_warps=N
     mode = bwd_mode(max(K, K2), V) if mode is None else mode
     if mode not in ("split", "fused"):
         raise ValueError(f"mode must be 'split' or 'fused', got {mode!r}")
+    parts = bwd_grad_parts(max(K, K2), V) if grad_parts is None else tuple(grad_parts)
+    if mode == "split" and sorted(p_ for m in parts for p_ in (1, 2, 4) if m & p_) != [1, 2, 4]:
+        raise ValueError(f"grad_parts must cover dq (1), dk (2) and dv (4) once each, got {parts!r}")
     BT = chunk_size
     BK = _pow2(max(K, K2))
     BV = _pow2(V, _min_bv(q.device))
@@ -403,9 +406,6 @@ def bwd_launch(q, k, v, do, gamma, s0, w0, dht_s, dht_w, chunk_size, num_warps=N
         _hla2_bwd_state_kernel[(nseg, B * H)](
             q, q2, v, do, ds_end, dw_end, de_s, de_w, dh0_s, dh0_w, cs_s, log2g, T, NS,
             HAS_DHT=has_dht, STORE_DH0=walk_dh0, SUMMARY=False, num_warps=nw, **common)
-        parts = bwd_grad_parts(max(K, K2), V) if grad_parts is None else tuple(grad_parts)
-        if sorted(p_ for m in parts for p_ in (1, 2, 4) if m & p_) != [1, 2, 4]:
-            raise ValueError(f"grad_parts must cover dq (1), dk (2) and dv (4) once each, got {parts!r}")
         for m in parts:
             _hla2_bwd_grad_kernel[(NT, B * H)](
                 q, k, q2, k2, v, do, dq, dk, dq2, dk2, dv, cs_s, cs_w, ds_end, dw_end, log2g, T,
