@@ -1,50 +1,120 @@
-"""Speed and accuracy of hla_fast.hla2 on one GPU, against its baselines.
+"""Speed, memory, launch overhead, compile time and accuracy of hla_fast.hla2 on one GPU.
 
-Times (median of triton.testing.do_bench, bf16, B=4, H=16, K=V in {64, 128},
-T from 1k to 32k): hla_fast forward and forward+backward; torch's causal
-scaled_dot_product_attention; the torch backend of hla_fast; and
-flash-linear-attention's first-order chunk_linear_attn when it imports.
-Also measures the two ceilings (bf16 matmul rate, device copy bandwidth), counts
-HLA2's FLOPs and bytes, times the decode step, records accuracy against T,
-compares kernel layouts (forward: segments, pipeline stages, two-pass; backward:
-split or fused walks, segments), records the CUDA time of each kernel in one
-forward + backward (torch.profiler), and times K = V = 256 heads against SDPA.
+Sections (default order; ``--skip a,b`` drops some, ``--sections a,b`` runs only those):
 
-Writes JSON (device, versions, date, shapes, medians) and a markdown table:
-    python benchmarks/bench_hla2.py --out benchmarks/results
-Options: --quick (small sizes, for a smoke run), --torch-max-T (largest T for
-the slow torch backend; larger ones are recorded as skipped).
+    ceilings    bf16 matmul rate and device copy bandwidth (always measured: the roofline)
+    decode      hla2_step, B=64, H=16, K=V=128: state traffic against copy bandwidth, per API call
+                and replayed from a CUDA graph; also with log-gates g and with normalize=True
+    main        bf16, B=4, H=16, K=V in {64, 128}, T 1k..32k: forward (no grad) and forward +
+                backward medians of hla_fast with gamma, with per-token log-gates g (that require
+                grad), with normalize=True (positive q, k); causal SDPA; flash-linear-attention's
+                first-order chunk_linear_attn (when fla imports); hla_fast's torch backend (up to
+                --torch-max-T for K > 64). FLOPs and bytes of the chunk form, TFLOP/s.
+    short       T=2048, K=V=64: the whole call against SDPA (do_bench medians, and wall time per call
+                of calls back to back), CUDA kernels per call (torch.profiler), host microseconds per
+                call at a shape whose GPU work is small (B=1, H=16, T=1024)
+    memory      K=V=128 (and 64), T=32k, B=4, H=16: peak memory of one forward + backward of
+                hla_fast (default config, and save_states=False) and of fla; bytes the forward keeps
+                for the backward (saved-tensor hooks)
+    wide        K=V=256, T in {4k, 8k, 16k}: hla_fast against SDPA
+    profile     CUDA time per hla2_* kernel of one forward + backward at T=32k (gamma, g, normalize)
+    variants    layouts through ``config=hla_fast.hla2_config(...).replace(...)`` at T=32k (segments,
+                chunks, warps, gradient launches, saved states); rows run only while the time budget
+                leaves room for the last section
+    accuracy    relative error against the float64 torch path, fp32 and bf16, T 1k..32k
+    first_call  seconds of the first forward + backward of a fresh process with an empty Triton
+                cache (compile included), bf16/fp32 x K=V 32/64/128 x gamma/g/normalize, run as
+                parallel subprocesses of benchmarks/first_call.py with a timeout each; overlapped
+                with the accuracy section (which times nothing) unless --no-overlap
+
+The JSON is saved after every row, the markdown after every section, so a run cut short keeps what
+it measured. The ``targets`` section lists every target, met or not, with the numbers behind it.
+
+    python benchmarks/bench_hla2.py --out benchmarks/results --tag h200      # the H200 run (~7 min)
+    python benchmarks/bench_hla2.py --quick                                  # small sizes, GPU smoke run
+    python benchmarks/bench_hla2.py --selftest                               # pure functions, no GPU
+    python benchmarks/bench_hla2.py --cpu-smoke --out /tmp/hla_smoke         # every section on the CPU
+                                                  # under the Triton interpreter, tiny shapes (no timing value)
 """
 from __future__ import annotations
 
+import sys
+import os
+import time
+
+T0 = time.perf_counter()  # the time budget counts from here
+if "--cpu-smoke" in sys.argv:  # must precede importing triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import argparse
+import concurrent.futures
+import dataclasses
 import datetime
+import gc
 import json
 import math
-import os
 import platform
-import time
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
 import traceback
 
 import torch
 import triton
-from triton.testing import do_bench
 
-import hla_fast
-from hla_fast.hla2 import HLA2State
-import importlib
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
-chunk = importlib.import_module("hla_fast.hla2.chunk")
+import hla_fast  # noqa: E402
+from hla_fast import HLA2State  # noqa: E402
+
+SECTIONS = ("decode", "main", "short", "memory", "wide", "profile", "variants", "accuracy", "first_call")
+GAMMA = 0.999
+CUDA = torch.cuda.is_available() and "--cpu-smoke" not in sys.argv
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+# targets (name -> bound), shared by targets() and the report
+FLA_FWD_64, FLA_FWDBWD_64, FLA_FWD_128, FLA_FWDBWD_128 = 1.25, 1.75, 2.0, 2.5
+OVERHEAD_MAX, MEMORY_MAX, DECODE_MIN, FIRST_CALL_MAX_S = 1.15, 1.5, 0.70, 15.0
+TARGET_T, SHORT_T, WIDE_FROM_T = 32768, 2048, 8192
+
+
+def log(msg):
+    print(f"[{time.perf_counter() - T0:7.1f} s] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------- timing helpers
+
+
+def sync():
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def bench_ms(fn, warmup=10, rep=50):
+    """Median ms of fn() (triton.testing.do_bench: CUDA events, L2 flushed before each call; warmup
+    and rep are milliseconds). Off CUDA (--cpu-smoke) one wall-clock call."""
+    if not CUDA:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
 def median_ms(fn, slow_ms=200.0):
-    """Median time of fn() in ms (CUDA events through do_bench; few repeats when slow)."""
+    """Median time of fn() in ms (do_bench; three CUDA-event timings when one call takes > slow_ms)."""
     fn()
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    sync()
     once = (time.perf_counter() - t0) * 1e3
+    if not CUDA:
+        return once
     if once > slow_ms:
         times = []
         for _ in range(3):
@@ -55,11 +125,47 @@ def median_ms(fn, slow_ms=200.0):
             torch.cuda.synchronize()
             times.append(a.elapsed_time(b))
         return sorted(times)[1]
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return bench_ms(fn)
+
+
+def loop_ms(fn, n=50, reps=5):
+    """Wall time per call of n calls back to back, one synchronize at the end (host and GPU work
+    overlap as in a training loop); median of reps loops, ms."""
+    fn()
+    sync()
+    out = []
+    for _ in range(reps if CUDA else 1):
+        t0 = time.perf_counter()
+        for _ in range(n if CUDA else 1):
+            fn()
+        sync()
+        out.append((time.perf_counter() - t0) * 1e3 / (n if CUDA else 1))
+    return sorted(out)[len(out) // 2]
+
+
+def host_us(fn, n=200):
+    """Median microseconds from calling fn() to its return, without synchronizing: the host's
+    work per call (checks, config, allocations, launches; backward() returns once autograd has
+    queued its kernels). The GPU is drained every 16 calls, outside the timed part, so the launch
+    queue never fills and blocks a call."""
+    fn()
+    sync()
+    times = []
+    for i in range(n if CUDA else 2):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+        if i % 16 == 15:
+            sync()
+    sync()
+    return sorted(times)[len(times) // 2]
+
+
+# ----------------------------------------------------------------------------- counts
 
 
 def hla2_flops(B, H, T, K, V, C=64):
-    """Multiply-adds x 2 of the chunk form (forward), per the kernel's products."""
+    """Multiply-adds x 2 of the chunk form (forward) with chunks of C rows, per the kernel's products."""
     NT = math.ceil(T / C)
     per_chunk = (
         C * C * K * 2          # X = Q K^T and Y = K Q^T
@@ -82,48 +188,63 @@ def hla2_bytes(B, H, T, K, V, elt=2):
     return B * T * H * (2 * K + 2 * V) * elt
 
 
-def ceilings(quick):
-    n = 4096 if quick else 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
-    tflops = 2 * n ** 3 / ms / 1e9
-    nbytes = (1 << 28) if quick else (1 << 31)  # 2 GiB source
-    x = torch.randn(nbytes // 4, device="cuda")
-    y = torch.empty_like(x)
-    ms_c = do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median")
-    gbs = 2 * nbytes / ms_c / 1e6
-    del a, b, x, y
-    return {"bf16_matmul_tflops": tflops, "matmul_n": n, "copy_gbs": gbs, "copy_bytes_each_way": nbytes}
+def decode_state_bytes(B, H, K, V, normalize=False):
+    """fp32 state read and written by one decode step: S, W (and z)."""
+    return 2 * B * H * (K * K + K * V + (K if normalize else 0)) * 4
+
+
+# ----------------------------------------------------------------------------- inputs and candidates
 
 
 def make_inputs(B, T, H, K, V, dtype=torch.bfloat16, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = (torch.randn(B, T, H, K, device="cuda", generator=g) * 0.3).to(dtype)
-    k = (torch.randn(B, T, H, K, device="cuda", generator=g) * 0.3).to(dtype)
-    v = torch.randn(B, T, H, V, device="cuda", generator=g).to(dtype)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = (torch.randn(B, T, H, K, device=DEVICE, generator=g) * 0.3).to(dtype)
+    k = (torch.randn(B, T, H, K, device=DEVICE, generator=g) * 0.3).to(dtype)
+    v = torch.randn(B, T, H, V, device=DEVICE, generator=g).to(dtype)
     return q, k, v
 
 
+def make_gates(B, T, H, seed=0):
+    """Per-token log-gates in [-0.001, 0): a factor in (0.999, 1] per token, fp32."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed + 7)
+    return -0.001 * torch.rand(B, T, H, device=DEVICE, generator=g)
+
+
 def fwd_bwd(fn, inputs, do):
+    """A closure running fn(*leaves).backward(do); every input is a leaf that requires grad."""
     leaves = [x.detach().requires_grad_() for x in inputs]
 
     def run():
         for x in leaves:
             x.grad = None
-        o = fn(*leaves)
-        o.backward(do)
+        fn(*leaves).backward(do)
 
     return run
 
 
-def hla(q, k, v):
+def fwd_only(fn, inputs):
+    def run():
+        with torch.no_grad():
+            fn(*inputs)
+
+    return run
+
+
+def hla(q, k, v, config=None):
     """hla_fast's default path, the way a layer calls it."""
-    return hla_fast.hla2(q, k, v, gamma=0.999)[0]
+    return hla_fast.hla2(q, k, v, gamma=GAMMA, backend="triton", config=config)[0]
+
+
+def hla_g(q, k, v, g, config=None):
+    return hla_fast.hla2(q, k, v, g=g, backend="triton", config=config)[0]
+
+
+def hla_norm(q, k, v, config=None):
+    return hla_fast.hla2(q, k, v, gamma=GAMMA, normalize=True, backend="triton", config=config)[0]
 
 
 def hla_torch(q, k, v):
-    return hla_fast.hla2(q, k, v, gamma=0.999, backend="torch")[0]
+    return hla_fast.hla2(q, k, v, gamma=GAMMA, backend="torch")[0]
 
 
 def sdpa(q, k, v):
@@ -132,321 +253,1010 @@ def sdpa(q, k, v):
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)
 
 
-def time_candidates(row, cands, inputs, do):
-    """Median forward (no grad) and forward+backward ms of each candidate into row; errors are recorded."""
-    for name, fn in cands.items():
-        try:
-            with torch.no_grad():
-                row[f"{name}_fwd_ms"] = median_ms(lambda: fn(*inputs))
-            row[f"{name}_fwdbwd_ms"] = median_ms(fwd_bwd(fn, inputs, do))
-        except Exception as e:  # noqa: BLE001
-            row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        torch.cuda.empty_cache()
-
-
 def load_fla():
     try:
-        from fla.ops.linear_attn import chunk_linear_attn
-
         import fla
+        from fla.ops.linear_attn import chunk_linear_attn
 
         return chunk_linear_attn, getattr(fla, "__version__", "?")
     except Exception as e:  # noqa: BLE001
         return None, f"import failed: {type(e).__name__}: {e}"
 
 
+def hla_candidates(q, k, v, g):
+    """hla_fast with gamma, with log-gates g and normalized (positive q, k): name -> (fn, inputs)."""
+    return {"hla_fast": (hla, (q, k, v)),
+            "hla_fast_g": (hla_g, (q, k, v, g)),
+            "hla_fast_norm": (hla_norm, (q.abs(), k.abs(), v))}
+
+
+def time_candidates(row, cands, do):
+    """Median forward (no grad) and forward+backward ms of each candidate into row; errors are recorded."""
+    for name, (fn, inputs) in cands.items():
+        try:
+            row[f"{name}_fwd_ms"] = median_ms(fwd_only(fn, inputs))
+            row[f"{name}_fwdbwd_ms"] = median_ms(fwd_bwd(fn, inputs, do))
+        except Exception as e:  # noqa: BLE001
+            row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        free()
+
+
+def free():
+    gc.collect()
+    if CUDA:
+        torch.cuda.empty_cache()
+
+
+def add_ratios(row):
+    """Overheads of g against gamma and of normalize against the plain call, in place."""
+    for s in ("fwd", "fwdbwd"):
+        base = row.get(f"hla_fast_{s}_ms")
+        for name, key in (("hla_fast_g", "g_over_gamma"), ("hla_fast_norm", "norm_over_plain")):
+            x = row.get(f"{name}_{s}_ms")
+            if isinstance(x, float) and isinstance(base, float) and base > 0:
+                row[f"{key}_{s}"] = x / base
+
+
+def count_kernels(fn):
+    """CUDA activity of one call of fn (torch.profiler, after a warm-up call): kernels, hla2_* kernels,
+    memsets and memcpys, and the kernel names with their counts."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
+    with profile(activities=acts) as prof:
+        fn()
+        sync()
+    names = {}
+    for e in prof.events():
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            names[e.name] = names.get(e.name, 0) + 1
+    mem = {n: c for n, c in names.items() if n.startswith(("Memset", "Memcpy"))}
+    kern = {n: c for n, c in names.items() if n not in mem}
+    return {"kernels": sum(kern.values()), "hla2_kernels": sum(c for n, c in kern.items() if "hla2_" in n),
+            "memsets_memcpys": sum(mem.values()), "by_name": dict(sorted(kern.items(), key=lambda kv: -kv[1]))}
+
+
+def train_memory(fn, inputs, do):
+    """Memory of one forward + backward of fn on leaves that require grad.
+
+    peak_mb: torch.cuda.max_memory_allocated during the call (reset before), less whatever was
+    allocated before apart from this call's inputs and output gradient: the inputs, do, the
+    forward's buffers, the saved tensors, the backward's buffers and the gradients at their high
+    point. saved_mb: the distinct storages the forward hands to autograd (saved_tensors_hooks),
+    saved_extra_mb the part of it that is not an input. after_fwd_mb: allocated after the forward
+    beyond the inputs (output + what is kept for the backward)."""
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    in_bytes = sum(x.nbytes for x in leaves) + do.nbytes
+    in_ptrs = {x.untyped_storage().data_ptr() for x in leaves}
+    free()
+    saved = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    out = {"inputs_mb": in_bytes / 1e6}
+    if CUDA:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        o = fn(*leaves)
+    sync()
+    if CUDA:
+        out["after_fwd_mb"] = (torch.cuda.memory_allocated() - base) / 1e6
+        out["peak_fwd_mb"] = (torch.cuda.max_memory_allocated() - base + in_bytes) / 1e6
+    out["saved_mb"] = sum(saved.values()) / 1e6
+    out["saved_extra_mb"] = sum(b for p, b in saved.items() if p not in in_ptrs) / 1e6
+    out["output_mb"] = o.nbytes / 1e6
+    o.backward(do)
+    sync()
+    if CUDA:
+        out["peak_mb"] = (torch.cuda.max_memory_allocated() - base + in_bytes) / 1e6
+    del o, leaves
+    free()
+    return out
+
+
+# ----------------------------------------------------------------------------- first call (subprocesses)
+
+
+def first_call_variants(dims=(32, 64, 128), dtypes=("fp32", "bf16"), flags=("gamma", "g", "normalize")):
+    """Every (dtype, K=V, flag), fp32 first: they compile slowest, so they start first."""
+    return [{"dtype": dt, "K": d, "flag": f} for dt in dtypes for d in sorted(dims, reverse=True) for f in flags]
+
+
+def run_first_call(var, shape, timeout_s, env_extra=None):
+    """Run benchmarks/first_call.py for one variant in a fresh process with an empty TRITON_CACHE_DIR;
+    returns its result row (status "ok", "timeout" or "error")."""
+    cache = tempfile.mkdtemp(prefix="hla2_first_call_")
+    env = dict(os.environ)
+    env.update(env_extra or {})
+    env["TRITON_CACHE_DIR"] = cache
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "first_call.py"), "--dtype", var["dtype"],
+           "--dim", str(var["K"]), "--flag", var["flag"], "--B", str(shape["B"]), "--T", str(shape["T"]),
+           "--H", str(shape["H"])]
+    row = dict(var, V=var["K"], **shape, timeout_s=round(timeout_s, 1))
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        row["wall_s"] = time.perf_counter() - t0
+        line = next((ln for ln in out.splitlines()[::-1] if ln.startswith("FIRST_CALL_JSON ")), None)
+        if proc.returncode == 0 and line:
+            row.update(json.loads(line[len("FIRST_CALL_JSON "):]))
+            row["status"] = "ok"
+        else:
+            row["status"] = "error"
+            row["error"] = f"rc={proc.returncode}: " + (err or out)[-600:]
+    except subprocess.TimeoutExpired:
+        try:  # the child and anything it started (compilers): its own session
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.communicate()
+        row["wall_s"] = time.perf_counter() - t0
+        row["status"] = "timeout"
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    return row
+
+
+class FirstCallPool:
+    """The first_call variants on a pool of `jobs` parallel subprocesses, each with a timeout that
+    also keeps the section inside `deadline` (perf_counter time); rows go to `record` as they end."""
+
+    def __init__(self, variants, shape, jobs, timeout_s, deadline, record, env_extra=None, min_timeout_s=30.0):
+        self.record = record
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
+        self.futures = []
+
+        def one(var):
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                row = dict(var, V=var["K"], **shape, status="not run: time budget spent")
+            else:
+                row = run_first_call(var, shape, min(timeout_s, max(min_timeout_s, left)), env_extra)
+            record(row)
+            return row
+
+        for var in variants:
+            self.futures.append(self.pool.submit(one, var))
+
+    def join(self):
+        rows = []
+        for f in self.futures:
+            try:
+                rows.append(f.result())
+            except Exception as e:  # noqa: BLE001
+                rows.append({"status": "error", "error": f"{type(e).__name__}: {e}"})
+        self.pool.shutdown()
+        return rows
+
+
+# ----------------------------------------------------------------------------- targets and report
+
+
+def _fmt(x, nd=3):
+    if isinstance(x, bool) or x is None:
+        return "-" if x is None else str(x)
+    if isinstance(x, float):
+        if x != 0 and (abs(x) < 10 ** -nd or abs(x) >= 1e6):
+            return f"{x:.2e}"
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def _ratio(a, b):
+    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0 else None
+
+
+def _target(desc, goal, met, **numbers):
+    return {"target": desc, "goal": goal, "met": met, **numbers}
+
+
 def targets(res):
-    """The issue's speed targets at T=32k, K=V=64 (and decode), with the numbers behind each."""
+    """Every target, met (True), not met (False) or not measured (None), with the numbers behind it."""
     t = {}
-    rows = {(r["K"], r["T"]): r for r in res.get("main", [])}
-    r = rows.get((64, 32768))
-    if r:
-        def ratio(a, b):
-            return r[a] / r[b] if a in r and b in r else None
-        fr = ratio("hla_fast_fwd_ms", "fla_linear_attn_fwd_ms")
-        t["fwd_vs_fla_first_order"] = {"ratio": fr, "target": "<= 1.25", "met": fr is not None and fr <= 1.25}
-        fb = ratio("hla_fast_fwdbwd_ms", "fla_linear_attn_fwdbwd_ms")
-        t["fwdbwd_vs_fla_first_order"] = {"ratio": fb, "target": "<= 2", "met": fb is not None and fb <= 2}
-        sp = [ratio(f"torch_backend_{s}_ms", f"hla_fast_{s}_ms") for s in ("fwd", "fwdbwd")]
-        t["speedup_vs_torch_backend"] = {"fwd": sp[0], "fwdbwd": sp[1], "target": ">= 10",
-                                         "met": all(x is not None and x >= 10 for x in sp)}
-    faster = {}
-    for (K, T), row in sorted(rows.items()):
-        if K == 64 and T >= 2048 and "sdpa_fwd_ms" in row and "hla_fast_fwd_ms" in row:
-            faster[T] = {"fwd": row["hla_fast_fwd_ms"] < row["sdpa_fwd_ms"],
-                         "fwdbwd": row.get("hla_fast_fwdbwd_ms", 1e9) < row.get("sdpa_fwdbwd_ms", 0)}
-    if faster:
-        t["faster_than_sdpa_from_2k"] = {"by_T": faster, "met": all(v["fwd"] and v["fwdbwd"] for v in faster.values())}
-    d = res.get("decode")
-    if d:
-        t["decode_state_traffic"] = {"fraction_of_copy": d["fraction_of_copy"],
-                                     "graph_fraction_of_copy": d.get("graph_fraction_of_copy"),
-                                     "target": ">= 0.60", "met": d["fraction_of_copy"] >= 0.6}
+    main = res.get("main") or []
+    rows = {(r["K"], r["T"]): r for r in main}
+    Tt = TARGET_T if any(T == TARGET_T for _, T in rows) else max((T for _, T in rows), default=None)
+    peak = (res.get("ceilings") or {}).get("bf16_matmul_tflops")
+    for K, bf, bb in ((64, FLA_FWD_64, FLA_FWDBWD_64), (128, FLA_FWD_128, FLA_FWDBWD_128)):
+        r = rows.get((K, Tt), {})
+        for s, bound in (("fwd", bf), ("fwdbwd", bb)):
+            ratio = _ratio(r.get(f"hla_fast_{s}_ms"), r.get(f"fla_linear_attn_{s}_ms"))
+            extra = {}
+            if s == "fwd" and r.get("hla_fast_fwd_tflops"):
+                extra = {"tflops": r["hla_fast_fwd_tflops"],
+                         "fraction_of_matmul": _ratio(r["hla_fast_fwd_tflops"], peak)}
+            t[f"{s}_vs_fla_k{K}"] = _target(
+                f"{'fwd' if s == 'fwd' else 'fwd+bwd'} <= {bound}x fla chunk_linear_attn, K=V={K}, T={Tt}",
+                f"<= {bound}", None if ratio is None else ratio <= bound, ratio=ratio,
+                hla_fast_ms=r.get(f"hla_fast_{s}_ms"), fla_ms=r.get(f"fla_linear_attn_{s}_ms"), **extra)
+    wide = [w for w in res.get("wide") or [] if w["T"] >= WIDE_FROM_T]
+    by_T = {w["T"]: {"hla_fast_ms": w.get("hla_fast_fwdbwd_ms"), "sdpa_ms": w.get("sdpa_fwdbwd_ms"),
+                     "ratio": _ratio(w.get("hla_fast_fwdbwd_ms"), w.get("sdpa_fwdbwd_ms"))} for w in wide}
+    met = None if not by_T or any(v["ratio"] is None for v in by_T.values()) else all(
+        v["ratio"] < 1 for v in by_T.values())
+    t["wide_k256_fwdbwd_beats_sdpa"] = _target(f"K=V=256 fwd+bwd faster than SDPA from T={WIDE_FROM_T}", "< 1x SDPA",
+                                               met, by_T=by_T)
+    sh = (res.get("short") or [None])[0] or {}
+    parts = {}
+    for s in ("fwd", "fwdbwd"):
+        parts[s] = {"hla_fast_loop_ms": sh.get(f"hla_fast_{s}_loop_ms"), "sdpa_loop_ms": sh.get(f"sdpa_{s}_loop_ms"),
+                    "ratio": _ratio(sh.get(f"hla_fast_{s}_loop_ms"), sh.get(f"sdpa_{s}_loop_ms")),
+                    "hla_fast_median_ms": sh.get(f"hla_fast_{s}_ms"), "sdpa_median_ms": sh.get(f"sdpa_{s}_ms")}
+    met = None if any(p["ratio"] is None for p in parts.values()) else all(p["ratio"] < 1 for p in parts.values())
+    t["short_beats_sdpa"] = _target(
+        f"T={sh.get('T', SHORT_T)}, K=V=64: the whole call faster than causal SDPA, fwd and fwd+bwd "
+        "(wall time per call, calls back to back)", "< 1x SDPA", met, **parts)
+    for key, name, desc in (("norm_over_plain", "normalize_overhead", "normalize=True <= 1.15x unnormalized"),
+                            ("g_over_gamma", "g_overhead", "log-gates g <= 1.15x constant gamma")):
+        vals = {f"K{K}_{s}": rows.get((K, Tt), {}).get(f"{key}_{s}") for K in (64, 128) for s in ("fwd", "fwdbwd")}
+        got = [v for v in vals.values() if v is not None]
+        t[name] = _target(f"{desc} (T={Tt}, fwd and fwd+bwd)", f"<= {OVERHEAD_MAX}",
+                          None if len(got) < len(vals) else all(v <= OVERHEAD_MAX for v in got), **vals)
+    mem = {m["K"]: m for m in res.get("memory") or []}
+    m = mem.get(128, {})
+    hp = (m.get("hla_fast") or {}).get("peak_mb")
+    hp2 = (m.get("hla_fast_no_saved_states") or {}).get("peak_mb")
+    fp = (m.get("fla_linear_attn") or {}).get("peak_mb")
+    ratio = _ratio(hp, fp)
+    t["memory_vs_fla_k128"] = _target(
+        f"training peak memory <= {MEMORY_MAX}x fla, K=V=128, T={m.get('T', TARGET_T)}, B=4, H=16, bf16",
+        f"<= {MEMORY_MAX}", None if ratio is None else ratio <= MEMORY_MAX, ratio=ratio, hla_fast_peak_mb=hp,
+        fla_peak_mb=fp, no_saved_states_peak_mb=hp2, no_saved_states_ratio=_ratio(hp2, fp))
+    d = res.get("decode") or {}
+    fr = d.get("fraction_of_copy")
+    t["decode_fraction_of_copy"] = _target(
+        f"decode B={d.get('B', 64)}, H={d.get('H', 16)}, K=V={d.get('K', 128)}: state traffic >= "
+        f"{int(DECODE_MIN * 100)}% of copy bandwidth", f">= {DECODE_MIN}", None if fr is None else fr >= DECODE_MIN,
+        fraction_of_copy=fr, graph_fraction_of_copy=d.get("graph_fraction_of_copy"))
+    fc = res.get("first_call") or []
+    secs = {f"{r['dtype']}_K{r['K']}_{r['flag']}": (r.get("fwdbwd_s") if r.get("status") == "ok" else r.get("status"))
+            for r in fc if "dtype" in r}
+    ok = [v for v in secs.values() if isinstance(v, float)]
+    if not secs:
+        met = None
+    elif len(ok) < len(secs):
+        met = False if any(r.get("status") == "timeout" for r in fc) or any(v > FIRST_CALL_MAX_S for v in ok) else None
+    else:
+        met = all(v < FIRST_CALL_MAX_S for v in ok)
+    t["first_call_under_15s"] = _target(
+        f"every first fwd+bwd call of a fresh process (compile included) < {FIRST_CALL_MAX_S:.0f} s",
+        f"< {FIRST_CALL_MAX_S}", met, worst_s=max(ok) if ok else None, seconds=secs)
+    r = rows.get((64, Tt), {})
+    sp = {s: _ratio(r.get(f"torch_backend_{s}_ms"), r.get(f"hla_fast_{s}_ms")) for s in ("fwd", "fwdbwd")}
+    t["speedup_vs_torch_backend"] = _target(f"(kept from earlier runs) >= 10x the torch backend, K=V=64, T={Tt}",
+                                            ">= 10", None if None in sp.values() else all(x >= 10 for x in sp.values()),
+                                            **sp)
     return t
 
 
-def write_report(res, out, tag):
-    """Write the markdown table (and the targets) next to the JSON."""
-    res["targets"] = targets(res)
-    with open(os.path.join(out, f"hla2_{tag}.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    lines = [f"# HLA2 benchmark ({res['device']}, {res['date']})", "",
-             f"torch {res['versions']['torch']}, triton {res['versions']['triton']}, "
-             f"flash-linear-attention {res['versions']['flash-linear-attention']}; bf16, median ms "
-             "(triton.testing.do_bench).", "",
-             f"Ceilings: bf16 matmul {res['ceilings']['bf16_matmul_tflops']:.0f} TFLOP/s, "
-             f"copy {res['ceilings']['copy_gbs']:.0f} GB/s.", ""]
+def _rounded(x):
+    """Floats to 4 significant digits, inside dicts and lists (for the markdown)."""
+    if isinstance(x, float):
+        return float(f"{x:.4g}")
+    if isinstance(x, dict):
+        return {k_: _rounded(v_) for k_, v_ in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_rounded(v_) for v_ in x]
+    return x
+
+
+def _met(v):
+    return {True: "met", False: "NOT met", None: "not measured"}[v]
+
+
+def render_markdown(res):
+    """The markdown report of a result dict (any section may be missing)."""
+    v = res.get("versions", {})
+    c = res.get("ceilings") or {}
+    lines = [f"# HLA2 benchmark ({res.get('device')}, {res.get('date')})", "",
+             f"torch {v.get('torch')}, triton {v.get('triton')}, flash-linear-attention "
+             f"{v.get('flash-linear-attention')}; bf16 unless stated, median ms (triton.testing.do_bench), "
+             f"gamma = {GAMMA}, log-gates g in [-0.001, 0) that require grad.", ""]
+    if c:
+        lines += [f"Ceilings: bf16 matmul {c.get('bf16_matmul_tflops', 0):.0f} TFLOP/s, "
+                  f"copy {c.get('copy_gbs', 0):.0f} GB/s.", ""]
+    t = res.get("targets") or targets(res)
+    if t:
+        lines += ["## Targets", "", "| target | goal | result | numbers |", "|---|---|---|---|"]
+        for name, x in t.items():
+            nums = {k_: v_ for k_, v_ in x.items() if k_ not in ("target", "goal", "met")}
+            lines.append(f"| {x['target']} | {x['goal']} | {_met(x['met'])} | "
+                         f"`{json.dumps(_rounded(nums), default=str, separators=(', ', ': '), allow_nan=True)}` |")
+        lines.append("")
     if res.get("main"):
         cols = ["hla_fast", "fla_linear_attn", "sdpa", "torch_backend"]
-        lines.append("| K=V | T | " + " | ".join(f"{c} fwd | {c} fwd+bwd" for c in cols) + " | hla_fast TFLOP/s |")
-        lines.append("|" + "---|" * (3 + 2 * len(cols)))
+        lines += ["## Main table (B={B}, H={H})".format(**res.get("shapes", {"B": "?", "H": "?"})), "",
+                  "| K=V | T | " + " | ".join(f"{c} fwd | {c} fwd+bwd" for c in cols) + " | hla_fast TFLOP/s |",
+                  "|" + "---|" * (3 + 2 * len(cols))]
         for r in res["main"]:
-            cells = []
-            for c in cols:
-                for s in ("fwd", "fwdbwd"):
-                    x = r.get(f"{c}_{s}_ms")
-                    cells.append(f"{x:.3f}" if isinstance(x, float) else "-")
-            tf = r.get("hla_fast_fwd_tflops")
-            lines.append(f"| {r['K']} | {r['T']} | " + " | ".join(cells) + f" | {tf:.0f} |" if tf else
-                         f"| {r['K']} | {r['T']} | " + " | ".join(cells) + " | - |")
-    if res.get("variants"):
-        lines += ["", "Kernel layouts (direct kernel launches, gamma = 0.999):", "",
-                  "| K=V | T | pass | layout | segments | stages | warps | chunk | grad launches | ms |",
+            cells = [_fmt(r.get(f"{c}_{s}_ms")) for c in cols for s in ("fwd", "fwdbwd")]
+            lines.append(f"| {r['K']} | {r['T']} | " + " | ".join(cells) + f" | {_fmt(r.get('hla_fast_fwd_tflops'), 0)} |")
+        lines += ["", "Gates and normalization (ms; ratios against the gamma call):", "",
+                  "| K=V | T | gamma fwd | g fwd | normalize fwd | gamma fwd+bwd | g fwd+bwd | normalize fwd+bwd "
+                  "| g/gamma fwd | g/gamma fwd+bwd | norm/plain fwd | norm/plain fwd+bwd |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in res["main"]:
+            cells = [r.get(k_) for k_ in ("hla_fast_fwd_ms", "hla_fast_g_fwd_ms", "hla_fast_norm_fwd_ms",
+                                          "hla_fast_fwdbwd_ms", "hla_fast_g_fwdbwd_ms", "hla_fast_norm_fwdbwd_ms",
+                                          "g_over_gamma_fwd", "g_over_gamma_fwdbwd", "norm_over_plain_fwd",
+                                          "norm_over_plain_fwdbwd")]
+            lines.append(f"| {r['K']} | {r['T']} | " + " | ".join(_fmt(x) for x in cells) + " |")
+        errs = [(r["K"], r["T"], k_, v_) for r in res["main"] for k_, v_ in r.items() if k_.endswith("_error")]
+        if errs:
+            lines += [""] + [f"- error K={K} T={T} {k_}: {v_}" for K, T, k_, v_ in errs]
+        lines.append("")
+    for sh in res.get("short") or []:
+        lines += [f"## Short sequences (T={sh['T']}, K=V={sh['K']}, B={sh['B']}, H={sh['H']})", "",
+                  "median: do_bench median of one call (CUDA events; host gaps inside the call count). "
+                  "loop: wall time per call of calls back to back, one synchronize at the end.", "",
+                  "| call | fwd median | fwd loop | fwd+bwd median | fwd+bwd loop | kernels fwd | kernels fwd+bwd |",
+                  "|---|---|---|---|---|---|---|"]
+        la = sh.get("launches", {})
+        for n in ("hla_fast", "hla_fast_g", "hla_fast_norm", "sdpa", "fla_linear_attn"):
+            if not any(k_.startswith(n + "_f") for k_ in sh):
+                continue
+            lines.append(f"| {n} | {_fmt(sh.get(f'{n}_fwd_ms'))} | {_fmt(sh.get(f'{n}_fwd_loop_ms'))} | "
+                         f"{_fmt(sh.get(f'{n}_fwdbwd_ms'))} | {_fmt(sh.get(f'{n}_fwdbwd_loop_ms'))} | "
+                         f"{(la.get(f'{n}_fwd') or {}).get('kernels', '-')} | "
+                         f"{(la.get(f'{n}_fwdbwd') or {}).get('kernels', '-')} |")
+        h = sh.get("host") or {}
+        if h:
+            lines += ["", f"Host time per call at B={h.get('B')}, H={h.get('H')}, T={h.get('T')}, K=V={h.get('K')} "
+                          "(GPU work of a call small against its host work). host: median us from the call to its "
+                          "return, no synchronize (the host's own work); loop: wall us per call back to back.", "",
+                      "| call | fwd host us | fwd loop us | fwd+bwd host us | fwd+bwd loop us |", "|---|---|---|---|---|"]
+            for n, x in h.items():
+                if isinstance(x, dict):
+                    lines.append(f"| {n} | {_fmt(x.get('fwd_host_us'), 1)} | {_fmt(x.get('fwd_loop_us'), 1)} | "
+                                 f"{_fmt(x.get('fwdbwd_host_us'), 1)} | {_fmt(x.get('fwdbwd_loop_us'), 1)} |")
+        if la:
+            lines += ["", "Kernels of one call (torch.profiler CUDA kernel events; memsets/memcpys apart):", ""]
+            for n, x in la.items():
+                if isinstance(x, dict):
+                    lines.append(f"- {n}: {x.get('kernels')} kernels ({x.get('hla2_kernels')} hla2_*), "
+                                 f"{x.get('memsets_memcpys')} memset/memcpy: "
+                                 + ", ".join(f"{k_} x{c_}" for k_, c_ in (x.get("by_name") or {}).items()))
+        lines.append("")
+    if res.get("memory"):
+        lines += ["## Training memory (one forward + backward, MB)", "",
+                  "peak: max_memory_allocated during the call (reset before) including the inputs and do; "
+                  "saved: storages the forward hands to autograd (saved_tensors_hooks), extra: of those, not inputs.",
+                  "", "| K=V | T | call | peak | peak fwd | after fwd | saved | saved extra | inputs | peak / fla |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in res["variants"]:
-            parts = r.get("grad_parts", "-") if r["pass"] == "bwd" and r["mode"] == "split" else "-"
-            lines.append(f"| {r['K']} | {r.get('T', '-')} | {r['pass']} | {r['mode']} | {r.get('segments', 1)} | "
-                         f"{r.get('num_stages', 1)} | {r.get('num_warps', 'auto')} | {r['chunk']} | {parts} | "
-                         f"{r.get('ms', float('nan')):.3f} |")
-    if res.get("profile"):
-        lines += ["", "CUDA time per kernel, one forward + backward through `hla2()` (torch.profiler, ms):", "",
-                  "| K=V | T | kernel | ms | calls |", "|---|---|---|---|---|"]
-        for r in res["profile"]:
-            for name, x in sorted(r["kernels"].items(), key=lambda kv: -kv[1]["ms_per_step"]):
-                lines.append(f"| {r['K']} | {r['T']} | {name} | {x['ms_per_step']:.3f} | {x['calls_per_step']:.0f} |")
+        for m in res["memory"]:
+            fp = (m.get("fla_linear_attn") or {}).get("peak_mb")
+            for n in ("hla_fast", "hla_fast_no_saved_states", "hla_fast_norm", "fla_linear_attn"):
+                x = m.get(n)
+                if not isinstance(x, dict):
+                    continue
+                lines.append(f"| {m['K']} | {m['T']} | {n} | {_fmt(x.get('peak_mb'), 0)} | {_fmt(x.get('peak_fwd_mb'), 0)} | "
+                             f"{_fmt(x.get('after_fwd_mb'), 0)} | {_fmt(x.get('saved_mb'), 0)} | "
+                             f"{_fmt(x.get('saved_extra_mb'), 0)} | {_fmt(x.get('inputs_mb'), 0)} | "
+                             f"{_fmt(_ratio(x.get('peak_mb'), fp), 2)} |")
+        lines.append("")
     if res.get("wide"):
-        lines += ["", "Wide heads, K = V = 256 (median ms):", "",
-                  "| T | hla_fast fwd | hla_fast fwd+bwd | sdpa fwd | sdpa fwd+bwd |", "|---|---|---|---|---|"]
+        lines += ["## Wide heads, K = V = 256 (median ms)", "",
+                  "| T | hla_fast fwd | hla_fast fwd+bwd | sdpa fwd | sdpa fwd+bwd | fwd+bwd / sdpa |",
+                  "|---|---|---|---|---|---|"]
         for r in res["wide"]:
             cells = [r.get(f"{c}_{s}_ms") for c in ("hla_fast", "sdpa") for s in ("fwd", "fwdbwd")]
-            lines.append(f"| {r['T']} | " + " | ".join(f"{x:.3f}" if isinstance(x, float) else "-" for x in cells) + " |")
+            lines.append(f"| {r['T']} | " + " | ".join(_fmt(x) for x in cells)
+                         + f" | {_fmt(_ratio(r.get('hla_fast_fwdbwd_ms'), r.get('sdpa_fwdbwd_ms')), 2)} |")
+        lines.append("")
     if res.get("decode"):
         d = res["decode"]
-        lines += ["", f"Decode B={d['B']} H={d['H']} K=V={d['K']}: {d['ms'] * 1e3:.1f} us, "
-                      f"{d['gbs']:.0f} GB/s of state traffic = {100 * d['fraction_of_copy']:.0f}% of copy bandwidth "
-                      f"(torch step {d['torch_ms'] * 1e3:.1f} us)."]
+        lines += ["## Decode", "", f"B={d['B']} H={d['H']} K=V={d['K']}: {d['ms'] * 1e3:.1f} us, {d['gbs']:.0f} GB/s of "
+                  f"state traffic = {100 * d['fraction_of_copy']:.0f}% of copy bandwidth "
+                  f"(torch step {_fmt(d.get('torch_ms', 0) * 1e3, 1)} us)."]
         if "graph_ms" in d:
             lines[-1] += (f" Replayed from a CUDA graph: {d['graph_ms'] * 1e3:.1f} us "
                           f"= {100 * d['graph_fraction_of_copy']:.0f}%.")
+        for n in ("g", "norm"):
+            if f"{n}_ms" in d:
+                lines[-1] += (f" With {'log-gates g' if n == 'g' else 'normalize=True'}: {d[f'{n}_ms'] * 1e3:.1f} us "
+                              f"= {100 * d[f'{n}_fraction_of_copy']:.0f}%.")
+        lines.append("")
+    if res.get("profile"):
+        lines += ["## CUDA time per kernel, one forward + backward through `hla2()` (torch.profiler, ms)", "",
+                  "| K=V | T | call | kernel | ms | calls |", "|---|---|---|---|---|---|"]
+        for r in res["profile"]:
+            for name, x in sorted(r["kernels"].items(), key=lambda kv: -kv[1]["ms_per_step"]):
+                lines.append(f"| {r['K']} | {r['T']} | {r.get('call', 'hla_fast')} | {name} | "
+                             f"{x['ms_per_step']:.3f} | {x['calls_per_step']:.0f} |")
+        lines.append("")
+    if res.get("variants"):
+        lines += ["## Layouts (`config=hla2_config(...).replace(...)`, through `hla2()`, gamma, median ms)", "",
+                  "| K=V | T | pass | change | ms | against default |", "|---|---|---|---|---|---|"]
+        base = {(r["K"], r["pass"]): r.get("ms") for r in res["variants"] if r.get("change") == "default"}
+        for r in res["variants"]:
+            ms = r.get("ms")
+            lines.append(f"| {r['K']} | {r['T']} | {r['pass']} | {r['change']} | "
+                         f"{_fmt(ms) if ms is not None else r.get('error', r.get('status', '-'))[:120]} | "
+                         f"{_fmt(_ratio(ms, base.get((r['K'], r['pass']))), 2)} |")
+        cfgs = res.get("variant_defaults") or {}
+        for K, cfg in cfgs.items():
+            lines.append(f"\nDefault config at K=V={K}: `{json.dumps(cfg)}`")
+        lines.append("")
     if res.get("accuracy"):
-        lines += ["", "| T | rel. err fp32 | rel. err bf16 |", "|---|---|---|"]
+        lines += ["## Accuracy against the float64 torch path", "", "| T | rel. err fp32 | rel. err bf16 |", "|---|---|---|"]
         for r in res["accuracy"]:
             lines.append(f"| {r['T']} | {r['fp32']:.1e} | {r['bf16']:.1e} |")
-    if res["targets"]:
-        lines += ["", "Targets (T=32k, K=V=64; decode B=64, H=16, K=V=128):", ""]
-    for name, v in res["targets"].items():
-        lines.append(f"- {name}: {'met' if v.get('met') else 'NOT met'} "
-                     f"({json.dumps({k_: v_ for k_, v_ in v.items() if k_ != 'met'}, default=str)})")
+        lines.append("")
+    if res.get("first_call"):
+        fc = res["first_call"]
+        info = res.get("first_call_setup", {})
+        lines += ["## First call of a fresh process (compile included, s)", "",
+                  f"{info.get('jobs', '?')} subprocesses at a time on {info.get('cpus', '?')} CPUs (compiles share the "
+                  f"CPUs), empty TRITON_CACHE_DIR each, timeout {info.get('timeout_s', '?')} s, shape "
+                  f"B={info.get('B')}, T={info.get('T')}, H={info.get('H')}.", "",
+                  "| dtype | K=V | flag | status | fwd | bwd | fwd+bwd | warm fwd+bwd | cubins | import |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in sorted((r for r in fc if "dtype" in r), key=lambda r: (r["dtype"], r["K"], r["flag"])):
+            lines.append(f"| {r['dtype']} | {r['K']} | {r['flag']} | {r.get('status')} | {_fmt(r.get('fwd_s'), 1)} | "
+                         f"{_fmt(r.get('bwd_s'), 1)} | {_fmt(r.get('fwdbwd_s'), 1)} | {_fmt(r.get('warm_fwdbwd_s'), 3)} | "
+                         f"{r.get('cubins', '-')} | {_fmt(r.get('import_s'), 1)} |")
+        errs = [r for r in fc if r.get("status") == "error"]
+        if errs:
+            lines += [""] + [f"- error {r.get('dtype')} K={r.get('K')} {r.get('flag')}: "
+                             f"{str(r.get('error', ''))[-300:]!r}" for r in errs]
+        lines.append("")
+    if res.get("timing"):
+        lines += ["## Run time per section (s)", "", ", ".join(f"{k_} {v_:.0f}" for k_, v_ in res["timing"].items()), ""]
+    if res.get("errors"):
+        lines += ["## Section errors", ""] + [f"- {k_}: `{v_.strip().splitlines()[-1]}`" for k_, v_ in res["errors"].items()]
+        lines.append("")
     if res.get("notes"):
-        lines += ["", "Notes:", ""] + [f"- {n}" for n in res["notes"]]
+        lines += ["## Notes", ""] + [f"- {n}" for n in res["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(res, out, tag, show=True):
+    """Compute the targets, write the JSON and the markdown; returns the markdown."""
+    res["targets"] = targets(res)
+    with open(os.path.join(out, f"hla2_{tag}.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    md = render_markdown(res)
     with open(os.path.join(out, f"hla2_{tag}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        f.write(md)
+    if show:
+        print(md, flush=True)
+    return md
 
 
+NOTES = [
+    "Timings are medians of triton.testing.do_bench (warmup 10 ms, rep 50 ms; L2 flushed before each call; "
+    "three CUDA-event timings for calls over 200 ms) of the whole Python call: hla2()'s checks, configuration "
+    "and allocations are inside it, and host gaps show when the host is slower than the GPU.",
+    "fwd: forward under torch.no_grad(); fwd+bwd: forward on leaves that require grad (q, k, v and g) and "
+    "o.backward(do). hla_fast_g uses per-token log-gates g = -0.001 * U[0, 1) that require grad; hla_fast_norm "
+    "uses normalize=True on |q|, |k| (positive features keep the denominator positive).",
+    "FLOPs are counted with the chunk size the default config uses for the forward (hla2_flop_chunk: 64 at "
+    "K=V<=64, 32 above).",
+    "Calls with log-gates g include hla_fast's input check of g (g <= 0 and finite, reduced on the device and "
+    "read back by the host: one synchronization per call, hla_fast/ops/common/checks.py check_gates).",
+    "First-call rows run in parallel subprocesses (first_call_setup.jobs at a time) while the accuracy section "
+    "runs (unless --no-overlap): the compile times include that sharing of the CPUs, so they are an upper side.",
+]
+
+
+# ----------------------------------------------------------------------------- self-test (no GPU)
+
+
+def fake_results():
+    """A full result dict with made-up numbers, for --selftest."""
+    res = {"device": "fake", "date": "1970-01-01T00:00:00+00:00", "dtype": "bfloat16", "notes": list(NOTES),
+           "versions": {"torch": torch.__version__, "triton": triton.__version__, "flash-linear-attention": "0.0"},
+           "ceilings": {"bf16_matmul_tflops": 700.0, "copy_gbs": 4000.0}, "shapes": {"B": 4, "H": 16},
+           "main": [], "timing": {"main": 1.0}}
+    for K in (64, 128):
+        for T in (2048, TARGET_T):
+            r = {"B": 4, "H": 16, "T": T, "K": K, "V": K, "hla2_flop_chunk": 64 if K == 64 else 32,
+                 "hla2_gflop_fwd": hla2_flops(4, 16, T, K, K, 64 if K == 64 else 32) / 1e9,
+                 "hla2_mbytes_fwd": hla2_bytes(4, 16, T, K, K) / 1e6}
+            for i, n in enumerate(("hla_fast", "hla_fast_g", "hla_fast_norm", "fla_linear_attn", "sdpa", "torch_backend")):
+                r[f"{n}_fwd_ms"] = 1.0 + 0.05 * i * (K / 64)
+                r[f"{n}_fwdbwd_ms"] = 4.0 + 0.1 * i
+            r["hla_fast_fwd_tflops"] = r["hla2_gflop_fwd"] / r["hla_fast_fwd_ms"]
+            add_ratios(r)
+            res["main"].append(r)
+    res["short"] = [{"B": 4, "H": 16, "T": SHORT_T, "K": 64, "V": 64, "hla_fast_fwd_ms": 0.1, "hla_fast_fwdbwd_ms": 0.5,
+                     "hla_fast_fwd_loop_ms": 0.12, "hla_fast_fwdbwd_loop_ms": 0.6, "sdpa_fwd_ms": 0.1,
+                     "sdpa_fwdbwd_ms": 0.4, "sdpa_fwd_loop_ms": 0.11, "sdpa_fwdbwd_loop_ms": 0.45,
+                     "launches": {"hla_fast_fwd": {"kernels": 3, "hla2_kernels": 3, "memsets_memcpys": 0,
+                                                   "by_name": {"hla2_fwd_kernel": 1}}},
+                     "host": {"B": 1, "H": 16, "T": 1024, "K": 64,
+                              "hla_fast": {"fwd_host_us": 50.0, "fwd_loop_us": 60.0, "fwdbwd_host_us": 200.0,
+                                           "fwdbwd_loop_us": 210.0}}}]
+    res["memory"] = [{"K": 128, "T": TARGET_T, "B": 4, "H": 16,
+                      "hla_fast": {"peak_mb": 9000.0, "saved_mb": 5000.0, "saved_extra_mb": 4000.0, "inputs_mb": 2000.0},
+                      "hla_fast_no_saved_states": {"peak_mb": 5000.0},
+                      "fla_linear_attn": {"peak_mb": 4000.0}}]
+    res["wide"] = [{"T": T, "K": 256, "hla_fast_fwd_ms": 5.0, "hla_fast_fwdbwd_ms": 20.0 * T / 8192,
+                    "sdpa_fwd_ms": 4.0, "sdpa_fwdbwd_ms": 25.0 * (T / 8192) ** 2} for T in (4096, 8192, 16384)]
+    res["decode"] = {"B": 64, "H": 16, "K": 128, "V": 128, "ms": 0.08, "gbs": 3300.0, "fraction_of_copy": 0.8,
+                     "torch_ms": 0.3, "graph_ms": 0.07, "graph_fraction_of_copy": 0.85, "g_ms": 0.09,
+                     "g_fraction_of_copy": 0.75, "norm_ms": 0.09, "norm_fraction_of_copy": 0.75}
+    res["profile"] = [{"K": 64, "T": TARGET_T, "call": "hla_fast",
+                       "kernels": {"hla2_fwd_kernel": {"ms_per_step": 1.0, "calls_per_step": 1.0}}}]
+    res["variants"] = [{"K": 64, "T": TARGET_T, "pass": "fwd", "change": "default", "ms": 1.0},
+                       {"K": 64, "T": TARGET_T, "pass": "fwd", "change": "fwd_segments=1", "ms": 2.0},
+                       {"K": 64, "T": TARGET_T, "pass": "fwd", "change": "fwd_chunk=128", "error": "ValueError: x"}]
+    res["accuracy"] = [{"T": 1024, "fp32": 4e-7, "bf16": 3e-3}]
+    res["first_call"] = [dict(v, V=v["K"], status="ok", fwd_s=3.0, bwd_s=5.0, fwdbwd_s=8.0 + v["K"] / 16)
+                         for v in first_call_variants()]
+    res["first_call"][0]["status"] = "timeout"
+    res["first_call_setup"] = {"jobs": 12, "cpus": 16, "timeout_s": 150, "B": 4, "T": 2048, "H": 16}
+    return res
+
+
+def selftest():
+    """Check the pure parts on made-up rows: counts, targets, report, the variants' configs."""
+    # FLOPs grow linearly in T at a fixed chunk; bytes count q, k, v, o once
+    assert abs(hla2_flops(4, 16, 2 * 4096, 64, 64) / hla2_flops(4, 16, 4096, 64, 64) - 2) < 1e-12
+    assert hla2_bytes(1, 1, 1, 64, 64) == (2 * 64 + 2 * 64) * 2
+    assert decode_state_bytes(64, 16, 128, 128) == 268435456
+    res = fake_results()
+    t = targets(res)
+    want = {"fwd_vs_fla_k64", "fwdbwd_vs_fla_k64", "fwd_vs_fla_k128", "fwdbwd_vs_fla_k128",
+            "wide_k256_fwdbwd_beats_sdpa", "short_beats_sdpa", "normalize_overhead", "g_overhead",
+            "memory_vs_fla_k128", "decode_fraction_of_copy", "first_call_under_15s", "speedup_vs_torch_backend"}
+    assert set(t) == want, set(t) ^ want
+    assert t["fwd_vs_fla_k64"]["met"] is True and abs(t["fwd_vs_fla_k64"]["ratio"] - 1 / 1.15) < 1e-9
+    assert t["memory_vs_fla_k128"]["met"] is False and t["memory_vs_fla_k128"]["ratio"] == 9000 / 4000
+    assert t["decode_fraction_of_copy"]["met"] is True
+    assert t["first_call_under_15s"]["met"] is False  # one timeout
+    assert t["short_beats_sdpa"]["met"] is False     # 0.12 > 0.11
+    assert t["wide_k256_fwdbwd_beats_sdpa"]["met"] is True and set(t["wide_k256_fwdbwd_beats_sdpa"]["by_T"]) == {8192, 16384}
+    assert t["g_overhead"]["met"] is True and t["normalize_overhead"]["met"] is False
+    assert t["speedup_vs_torch_backend"]["met"] is False
+    empty = targets({})
+    assert set(empty) == want and all(x["met"] is None for x in empty.values()), empty
+    with tempfile.TemporaryDirectory() as d:
+        md = write_report(res, d, "selftest", show=False)
+        back = json.load(open(os.path.join(d, "hla2_selftest.json")))
+        for key in ("device", "date", "versions", "ceilings", "main", "accuracy", "decode", "targets"):
+            assert key in back, key
+        for head in ("## Targets", "## Main table", "Gates and normalization", "## Short sequences",
+                     "## Training memory", "## Wide heads", "## Decode", "## CUDA time per kernel", "## Layouts",
+                     "## Accuracy", "## First call", "## Notes"):
+            assert head in md, head
+        assert md.count("| NOT met |") + md.count("| met |") + md.count("| not measured |") == len(want)
+        render_markdown({"device": "x", "date": "y", "versions": {}})  # every section missing
+        write_report({"device": "x", "date": "y", "versions": {}}, d, "empty", show=False)
+    # every layout variant is a valid ChunkConfig change of both default rules
+    for K in (64, 128):
+        base = hla_fast.ChunkConfig(fwd_chunk=64 if K == 64 else 32, bwd_chunk=64 if K == 64 else 32)
+        for _, ch in variant_changes(K):
+            base.replace(**ch)
+    assert len(first_call_variants()) == 18 and first_call_variants()[0]["dtype"] == "fp32"
+    print(md)
+    print("selftest passed", flush=True)
+
+
+# ----------------------------------------------------------------------------- layout variants
+
+
+def variant_changes(K):
+    """(pass, ChunkConfig changes) for one head size, most informative first; {} is the default."""
+    if K <= 64:
+        return [("fwd", {}), ("fwdbwd", {}),
+                ("fwd", {"fwd_segments": 1}), ("fwdbwd", {"bwd_segments": 1}),
+                ("fwdbwd", {"save_states": False}), ("fwdbwd", {"grad_parts": (7,)}),
+                ("fwd", {"fwd_segments": 8}), ("fwd", {"fwd_chunk": 32}),
+                ("fwdbwd", {"fwd_chunk": 32, "bwd_chunk": 32}), ("fwdbwd", {"grad_parts": (1, 2, 4)}),
+                ("fwdbwd", {"bf16_snapshots": False}), ("fwd", {"fwd_warps": 8}),
+                ("fwdbwd", {"bwd_segments": 8}), ("fwd", {"fwd_chunk": 128})]
+    return [("fwd", {}), ("fwdbwd", {}),
+            ("fwdbwd", {"save_states": False}), ("fwd", {"fwd_chunk": 64}),
+            ("fwd", {"fwd_segments": 2}), ("fwdbwd", {"grad_parts": (7,)}),
+            ("fwd", {"fwd_warps": 4}), ("fwdbwd", {"fwd_chunk": 64, "bwd_chunk": 64, "fwd_warps": 4, "bwd_warps": 4})]
+
+
+# ----------------------------------------------------------------------------- main
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--torch-max-T", type=int, default=8192)
-    ap.add_argument("--tag", default="h200")
-    ap.add_argument("--dims", default="64,128", help="comma list of K=V head sizes")
-    ap.add_argument("--only", default="", help="comma list of baselines to time (default: all)")
+    ap.add_argument("--tag", default="h200", help="files hla2_<tag>.json and hla2_<tag>.md")
+    ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run on a GPU")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="every section on the CPU under the Triton interpreter at tiny shapes (tests the script)")
+    ap.add_argument("--selftest", action="store_true", help="check counts, targets and report on made-up rows")
+    ap.add_argument("--torch-max-T", type=int, default=8192, help="largest T for the torch backend at K > 64")
+    ap.add_argument("--dims", default="64,128", help="comma list of K=V head sizes of the main table")
+    ap.add_argument("--gated-T", default="all", help="T values of the g / normalize rows (comma list, or all)")
+    ap.add_argument("--only", default="", help="comma list of main-table candidates to time (default: all)")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: " + ",".join(SECTIONS))
+    ap.add_argument("--sections", default="", help="comma list of the only sections to run")
+    ap.add_argument("--budget-s", type=float, default=420.0,
+                    help="seconds for the whole run: variants stop early and first-call timeouts shrink to fit")
+    ap.add_argument("--first-call-jobs", type=int, default=12,
+                    help="parallel first-call subprocesses (one CPU core each: Triton compiles in the calling thread)")
+    ap.add_argument("--first-call-timeout", type=float, default=150.0, help="seconds per first-call subprocess")
+    ap.add_argument("--first-call-reserve", type=float, default=150.0,
+                    help="seconds the variants section leaves for accuracy + first_call")
+    ap.add_argument("--no-overlap", action="store_true", help="run the first-call subprocesses after accuracy")
     ap.add_argument("--from-json", default=None, help="only rebuild the report from a results JSON")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: variants,profile,wide,main,decode,accuracy")
     args = ap.parse_args()
-    skip = set(s for s in args.skip.split(",") if s)
+    if args.selftest:
+        selftest()
+        return
     if args.from_json:
         with open(args.from_json) as f:
             write_report(json.load(f), args.out, args.tag)
         return
+    unknown = set(filter(None, (args.skip + "," + args.sections).split(","))) - set(SECTIONS)
+    if unknown:
+        ap.error(f"unknown sections {sorted(unknown)}; known: {','.join(SECTIONS)}")
+    chosen = [s for s in SECTIONS if (not args.sections or s in args.sections.split(",")) and s not in args.skip.split(",")]
+    if not CUDA and not args.cpu_smoke:
+        ap.error("no CUDA device: use --selftest or --cpu-smoke on a machine without a GPU")
+    smoke = args.cpu_smoke
+    if smoke:
+        from hla_fast.ops.common.launch import interpreter_on
+
+        assert interpreter_on(), "--cpu-smoke needs TRITON_INTERPRET=1 before triton is imported"
     os.makedirs(args.out, exist_ok=True)
-    dev = torch.cuda.get_device_properties(0)
     chunk_linear_attn, fla_version = load_fla()
     res = {
-        "device": torch.cuda.get_device_name(0),
-        "sms": dev.multi_processor_count,
+        "device": torch.cuda.get_device_name(0) if CUDA else "cpu (Triton interpreter, --cpu-smoke)",
+        "sms": torch.cuda.get_device_properties(0).multi_processor_count if CUDA else None,
+        "cpus": os.cpu_count(),
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-                     "python": platform.python_version(), "flash-linear-attention": fla_version},
+                     "python": platform.python_version(), "flash-linear-attention": fla_version,
+                     "hla_fast_path": os.path.dirname(hla_fast.__file__)},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "dtype": "bfloat16",
-        "notes": [],
+        "args": vars(args),
+        "notes": list(NOTES),
+        "timing": {},
+        "errors": {},
     }
+    lock = threading.RLock()
     path = os.path.join(args.out, f"hla2_{args.tag}.json")
 
     def save():
-        with open(path, "w") as f:
-            json.dump(res, f, indent=1)
+        with lock:
+            text = json.dumps(res, indent=1, default=str)
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+
+    def put(key, value):
+        with lock:
+            res[key] = value
+        save()
 
     def record(section, row):
         """Append a result row, show it (floats rounded) and save the JSON so far."""
-        res[section].append(row)
-        print(section, {k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()}, flush=True)
+        with lock:
+            res.setdefault(section, []).append(row)
+        print(section, {k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()
+                        if k_ not in ("by_name", "launches", "kernels")}, flush=True)
         save()
 
-    res["ceilings"] = ceilings(args.quick)
-    save()
-    print("ceilings", res["ceilings"], flush=True)
-    B, H = (2, 4) if args.quick else (4, 16)
-    Ts = [1024, 2048, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768]
-    Ds = [64] if args.quick else [int(x) for x in args.dims.split(",")]
-    res["shapes"] = {"B": B, "H": H, "T": Ts, "K=V": Ds}
+    def left_s():
+        return args.budget_s - (time.perf_counter() - T0)
 
-    # -- decode: B=64, H=16, K=V=128 ----------------------------------------------
-    if "decode" not in skip:
-        Bd, Hd, Kd, Vd = 64, 16, 128, 128
-        g = torch.Generator(device="cuda").manual_seed(1)
-        q = torch.randn(Bd, Hd, Kd, device="cuda", generator=g).bfloat16()
-        k = torch.randn(Bd, Hd, Kd, device="cuda", generator=g).bfloat16()
-        v = torch.randn(Bd, Hd, Vd, device="cuda", generator=g).bfloat16()
-        st = HLA2State(torch.randn(Bd, Hd, Kd, Kd, device="cuda", generator=g),
-                       torch.randn(Bd, Hd, Kd, Vd, device="cuda", generator=g))
-        ms = median_ms(lambda: hla_fast.hla2_step(q, k, v, st, gamma=0.999))
-        state_bytes = 2 * Bd * Hd * (Kd * Kd + Kd * Vd) * 4  # read + write, fp32
-        res["decode"] = {"B": Bd, "H": Hd, "K": Kd, "V": Vd, "ms": ms, "state_bytes_rw": state_bytes,
-                         "gbs": state_bytes / ms / 1e6,
-                         "fraction_of_copy": state_bytes / ms / 1e6 / res["ceilings"]["copy_gbs"]}
-        ms_t = median_ms(lambda: hla_fast.hla2_step(q, k, v, st, gamma=0.999, backend="torch"))
-        res["decode"]["torch_ms"] = ms_t
-        # the same step replayed from a CUDA graph: no Python or launch gaps between steps
-        gr = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(gr):
-            for _ in range(10):
-                hla_fast.hla2_step(q, k, v, st, gamma=0.999)
-        ms_g = do_bench(lambda: gr.replay(), warmup=25, rep=200, return_mode="median") / 10
-        res["decode"]["graph_ms"] = ms_g
-        res["decode"]["graph_fraction_of_copy"] = state_bytes / ms_g / 1e6 / res["ceilings"]["copy_gbs"]
-        print("decode", res["decode"], flush=True)
-        save()
+    # -- shapes -----------------------------------------------------------------------------------
+    if smoke:
+        B, H, Ts, Ds = 1, 2, [64, 128], [16, 32]
+    elif args.quick:
+        B, H, Ts, Ds = 2, 4, [1024, 2048, 4096], [64]
+    else:
+        B, H, Ts, Ds = 4, 16, [1024, 2048, 4096, 8192, 16384, 32768], [int(x) for x in args.dims.split(",")]
+    gated_T = set(Ts) if args.gated_T == "all" else {int(x) for x in args.gated_T.split(",")}
+    res["shapes"] = {"B": B, "H": H, "T": Ts, "K=V": Ds, "gated_T": sorted(gated_T)}
+    Tbig = Ts[-1]
+    fla_fn = (lambda q, k, v: chunk_linear_attn(q, k, v, normalize=False)[0]) if chunk_linear_attn else None
 
-    # -- layouts: forward segments / stages / two-pass, backward split vs fused ----------
-    if "variants" not in skip:
-        res["variants"] = []
-        # (mode, segments, pipeline stages, chunk, warps); None: the launcher's choice
-        fwd_layouts = [("fused", 1, 1, 64, None), ("fused", 1, 2, 64, None), ("fused", 2, 1, 64, None),
-                       ("fused", 4, 1, 64, None), ("fused", 8, 1, 64, None), ("fused", 16, 1, 64, None),
-                       ("fused", None, 1, 64, None), ("fused", None, 2, 64, None), ("fused", None, 1, 64, 8),
-                       ("fused", None, 1, 32, None), ("fused", None, 1, 128, None), ("two_pass", 1, 1, 64, None)]
-        for D in Ds:
-            for Tv in sorted({Ts[-1], min(2048, Ts[-1])}, reverse=True):
-                q, k, v = make_inputs(B, Tv, H, D, D)
-                do = torch.randn_like(v)
-                Cb = chunk.bwd_chunk_size(D, D, 64)
-                runs = [("fwd",) + lay + (None,) for lay in fwd_layouts]
-                # heads with K and V both above 64 walk in one segment (bwd_launch), so no segment rows there
-                runs += [("bwd", m, sg, 1, Cb, None, None) for m in ("split", "fused")
-                         for sg in ((1, 2, 4, 8) if D <= 64 else (1,))]
-                # the split layout's per-chunk gradient launches (1 dq, 2 dk, 4 dv)
-                runs += [("bwd", "split", None, 1, Cb, None, parts) for parts in ((7,), (1, 2, 4), (1, 6))]
-                for kind, mode, seg, stages, C, warps, parts in runs:
-                    row = {"K": D, "V": D, "T": Tv, "pass": kind, "mode": mode, "chunk": C,
-                           "segments": "auto" if seg is None else seg, "num_stages": stages,
-                           "num_warps": "auto" if warps is None else warps,
-                           "grad_parts": "auto" if parts is None else list(parts)}
-                    try:
-                        if kind == "fwd":
-                            fn = lambda: chunk.fwd_launch(q, k, v, 0.999, None, None, C, mode=mode, store_final=False,
-                                                          segments=seg, num_stages=stages, num_warps=warps)
-                        else:
-                            fn = lambda: chunk.bwd_launch(q, k, v, do, 0.999, None, None, None, None, Cb, mode=mode,
-                                                          segments=seg, grad_parts=parts)
-                        row["ms"] = median_ms(fn)
-                    except Exception as e:  # noqa: BLE001
-                        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                    record("variants", row)
-                del q, k, v, do
-                torch.cuda.empty_cache()
+    # -- ceilings -----------------------------------------------------------------------------------
+    n = 256 if smoke else (4096 if args.quick else 8192)
+    a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+    ms = bench_ms(lambda: a @ b, warmup=25, rep=100)
+    nbytes = (1 << 20) if smoke else ((1 << 28) if args.quick else (1 << 31))
+    x = torch.randn(nbytes // 4, device=DEVICE)
+    y = torch.empty_like(x)
+    ms_c = bench_ms(lambda: y.copy_(x), warmup=25, rep=100)
+    put("ceilings", {"bf16_matmul_tflops": 2 * n ** 3 / ms / 1e9, "matmul_n": n, "copy_gbs": 2 * nbytes / ms_c / 1e6,
+                     "copy_bytes_each_way": nbytes})
+    del a, b, x, y
+    free()
+    log(f"ceilings {res['ceilings']}")
 
-    # -- where the time goes: CUDA time per kernel of one forward + backward (torch.profiler) ----
-    if "profile" not in skip:
-        res["profile"] = []
-        Tp = Ts[-1]
-        for D in Ds:
-            q, k, v = make_inputs(B, Tp, H, D, D)
-            do = torch.randn_like(v)
-            run = fwd_bwd(hla, (q, k, v), do)
-            run()
+    # -- sections -----------------------------------------------------------------------------------
+    def sec_decode():
+        Bd, Hd, Kd, Vd = (2, 2, 16, 16) if smoke else (64, 16, 128, 128)
+        g = torch.Generator(device=DEVICE).manual_seed(1)
+        q = torch.randn(Bd, Hd, Kd, device=DEVICE, generator=g).bfloat16()
+        k = torch.randn(Bd, Hd, Kd, device=DEVICE, generator=g).bfloat16()
+        v = torch.randn(Bd, Hd, Vd, device=DEVICE, generator=g).bfloat16()
+        gates = -0.001 * torch.rand(Bd, Hd, device=DEVICE, generator=g)
+        st = HLA2State(torch.randn(Bd, Hd, Kd, Kd, device=DEVICE, generator=g),
+                       torch.randn(Bd, Hd, Kd, Vd, device=DEVICE, generator=g))
+        stz = HLA2State(st.S, st.W, torch.rand(Bd, Hd, Kd, device=DEVICE, generator=g))
+        copy = res["ceilings"]["copy_gbs"]
+        sb = decode_state_bytes(Bd, Hd, Kd, Vd)
+        ms = median_ms(lambda: hla_fast.hla2_step(q, k, v, st, gamma=GAMMA, backend="triton"))
+        d = {"B": Bd, "H": Hd, "K": Kd, "V": Vd, "ms": ms, "state_bytes_rw": sb, "gbs": sb / ms / 1e6,
+             "fraction_of_copy": sb / ms / 1e6 / copy}
+        d["torch_ms"] = median_ms(lambda: hla_fast.hla2_step(q, k, v, st, gamma=GAMMA, backend="torch"))
+        ms_g = median_ms(lambda: hla_fast.hla2_step(q, k, v, st, g=gates, backend="triton"))
+        d.update(g_ms=ms_g, g_fraction_of_copy=sb / ms_g / 1e6 / copy)
+        sbz = decode_state_bytes(Bd, Hd, Kd, Vd, normalize=True)
+        qa, ka = q.abs(), k.abs()
+        ms_n = median_ms(lambda: hla_fast.hla2_step(qa, ka, v, stz, gamma=GAMMA, normalize=True, backend="triton"))
+        d.update(norm_ms=ms_n, norm_fraction_of_copy=sbz / ms_n / 1e6 / copy)
+        if CUDA:  # the same step replayed from a CUDA graph: no Python or launch gaps between steps
+            hla_fast.hla2_step(q, k, v, st, gamma=GAMMA, backend="triton")
             torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(3):
-                    run()
-                torch.cuda.synchronize()
-            kernels = {}
-            for ev in prof.key_averages():
-                t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-                if t and ev.key.startswith("_hla2"):
-                    kernels[ev.key] = {"ms_per_step": t / 3 / 1e3, "calls_per_step": ev.count / 3}
-            row = {"B": B, "H": H, "T": Tp, "K": D, "V": D, "kernels": kernels}
-            record("profile", row)
-            del q, k, v, do
-            torch.cuda.empty_cache()
+            gr = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gr):
+                for _ in range(10):
+                    hla_fast.hla2_step(q, k, v, st, gamma=GAMMA, backend="triton")
+            ms_gr = bench_ms(lambda: gr.replay(), warmup=25, rep=200) / 10
+            d.update(graph_ms=ms_gr, graph_fraction_of_copy=sb / ms_gr / 1e6 / copy)
+            del gr
+        put("decode", d)
+        log(f"decode {d}")
 
-    # -- wide heads (K = V = 256: feature-block pairs and value blocks) against SDPA ------
-    if "wide" not in skip:
-        res["wide"] = []
-        for T in ([1024] if args.quick else [1024, 4096, 16384]):
-            q, k, v = make_inputs(B, T, H, 256, 256)
-            do = torch.randn_like(v)
-            row = {"B": B, "H": H, "T": T, "K": 256, "V": 256}
-            time_candidates(row, {"hla_fast": hla, "sdpa": sdpa}, (q, k, v), do)
-            record("wide", row)
-            del q, k, v, do
-            torch.cuda.empty_cache()
-
-    # -- main table -------------------------------------------------------------
-    if "main" not in skip:
-        res["main"] = []
+    def sec_main():
+        put("main", [])
         for D in Ds:
             for T in Ts:
                 q, k, v = make_inputs(B, T, H, D, D)
                 do = torch.randn_like(v)
-                row = {"B": B, "H": H, "T": T, "K": D, "V": D,
-                       "hla2_gflop_fwd": hla2_flops(B, H, T, D, D) / 1e9,
+                g = make_gates(B, T, H)
+                C = hla_fast.hla2_config(B, T, H, D, D, q.dtype, q.device).fwd_chunk
+                row = {"B": B, "H": H, "T": T, "K": D, "V": D, "hla2_flop_chunk": C,
+                       "hla2_gflop_fwd": hla2_flops(B, H, T, D, D, C) / 1e9,
                        "hla2_mbytes_fwd": hla2_bytes(B, H, T, D, D) / 1e6}
-                cands = {"hla_fast": hla, "sdpa": sdpa}
-                if chunk_linear_attn is not None:
-                    cands["fla_linear_attn"] = lambda q, k, v: chunk_linear_attn(q, k, v, normalize=False)[0]
+                cands = hla_candidates(q, k, v, g)
+                if T not in gated_T:
+                    cands = {"hla_fast": cands["hla_fast"]}
+                cands["sdpa"] = (sdpa, (q, k, v))
+                if fla_fn is not None:
+                    cands["fla_linear_attn"] = (fla_fn, (q, k, v))
                 if T <= (args.torch_max_T if D > 64 else max(args.torch_max_T, 32768)):
-                    cands["torch_backend"] = hla_torch
+                    cands["torch_backend"] = (hla_torch, (q, k, v))
                 else:
                     row["torch_backend"] = f"skipped: T > {args.torch_max_T} (slow)"
                 if args.only:
                     cands = {n_: f_ for n_, f_ in cands.items() if n_ in args.only.split(",")}
-                time_candidates(row, cands, (q, k, v), do)
+                time_candidates(row, cands, do)
                 if "hla_fast_fwd_ms" in row:
                     row["hla_fast_fwd_tflops"] = row["hla2_gflop_fwd"] / row["hla_fast_fwd_ms"]
+                    row["hla_fast_fwd_fraction_of_matmul"] = row["hla_fast_fwd_tflops"] / res["ceilings"]["bf16_matmul_tflops"]
+                add_ratios(row)
                 record("main", row)
-                del q, k, v, do
-                torch.cuda.empty_cache()
+                del q, k, v, do, g, cands
+                free()
 
-    # -- accuracy against T (fp32 and bf16, against the float64 torch path) -------
-    if "accuracy" not in skip:
-        res["accuracy"] = []
-        for T in ([1024, 4096] if args.quick else [1024, 4096, 16384, 32768]):
-            q, k, v = make_inputs(1, T, 4, 64, 64, dtype=torch.float32, seed=T)
-            ref, _ = hla_fast.hla2(q.double(), k.double(), v.double(), gamma=0.999, backend="torch")
-            row = {"T": T, "B": 1, "H": 4, "K": 64, "V": 64, "gamma": 0.999}
+    def sec_short():
+        Bs, Hs, Tsh, D = (1, 2, 128, 16) if smoke else ((2, 4, 1024, 64) if args.quick else (4, 16, SHORT_T, 64))
+        put("short", [])
+        q, k, v = make_inputs(Bs, Tsh, Hs, D, D)
+        do = torch.randn_like(v)
+        g = make_gates(Bs, Tsh, Hs)
+        row = {"B": Bs, "H": Hs, "T": Tsh, "K": D, "V": D}
+        cands = hla_candidates(q, k, v, g)
+        cands["sdpa"] = (sdpa, (q, k, v))
+        if fla_fn is not None:
+            cands["fla_linear_attn"] = (fla_fn, (q, k, v))
+        time_candidates(row, cands, do)
+        row["launches"] = {}
+        for name, (fn, inputs) in cands.items():
+            for s, run in (("fwd", fwd_only(fn, inputs)), ("fwdbwd", fwd_bwd(fn, inputs, do))):
+                try:
+                    row[f"{name}_{s}_loop_ms"] = loop_ms(run)
+                    row["launches"][f"{name}_{s}"] = count_kernels(run)
+                except Exception as e:  # noqa: BLE001
+                    row[f"{name}_{s}_loop_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        del q, k, v, do, g, cands
+        free()
+        # host work per call where the GPU work is small; B=1, H=16, T=1024 keeps the kernels of the
+        # main table's K=64 rows (4 segments), so nothing new is compiled
+        Bh, Hh, Th = (1, 2, 64) if smoke else (1, 16, 1024)
+        q, k, v = make_inputs(Bh, Th, Hh, D, D)
+        do = torch.randn_like(v)
+        host = {"B": Bh, "H": Hh, "T": Th, "K": D}
+        for name, fn in (("hla_fast", hla), ("sdpa", sdpa)):
+            x = {}
+            for s, run in (("fwd", fwd_only(fn, (q, k, v))), ("fwdbwd", fwd_bwd(fn, (q, k, v), do))):
+                x[f"{s}_host_us"] = host_us(run)
+                x[f"{s}_loop_us"] = loop_ms(run, n=200, reps=3) * 1e3
+            host[name] = x
+        row["host"] = host
+        record("short", row)
+        del q, k, v, do
+        free()
+
+    def sec_memory():
+        put("memory", [])
+        Tm = 128 if smoke else (4096 if args.quick else TARGET_T)
+        for D in ([32] if smoke else ([64] if args.quick else [128, 64])):
+            q, k, v = make_inputs(B, Tm, H, D, D)
+            do = torch.randn_like(v)
+            cfg = hla_fast.hla2_config(B, Tm, H, D, D, q.dtype, q.device)
+            row = {"B": B, "H": H, "T": Tm, "K": D, "V": D, "default_config": dataclasses.asdict(cfg)}
+            cands = {"hla_fast": (hla, (q, k, v)),
+                     "hla_fast_no_saved_states": (lambda q, k, v: hla(q, k, v, config=cfg.replace(save_states=False)),
+                                                  (q, k, v)),
+                     "hla_fast_norm": (hla_norm, (q.abs(), k.abs(), v))}
+            if fla_fn is not None:
+                cands["fla_linear_attn"] = (fla_fn, (q, k, v))
+            for name, (fn, inputs) in cands.items():
+                try:
+                    fwd_bwd(fn, inputs, do)()  # compile / autotune outside the measured call
+                    sync()
+                    row[name] = train_memory(fn, inputs, do)
+                except Exception as e:  # noqa: BLE001
+                    row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                free()
+            record("memory", row)
+            del q, k, v, do, cands
+            free()
+
+    def sec_wide():
+        put("wide", [])
+        Bw, Hw = (1, 1) if smoke else (B, H)
+        Kw = 160 if smoke else 256  # smoke: three feature blocks and two value blocks, as 256 has four
+        for T in ([32] if smoke else ([1024] if args.quick else [4096, 8192, 16384])):
+            q, k, v = make_inputs(Bw, T, Hw, Kw, Kw)
+            do = torch.randn_like(v)
+            row = {"B": Bw, "H": Hw, "T": T, "K": Kw, "V": Kw}
+            time_candidates(row, {"hla_fast": (hla, (q, k, v)), "sdpa": (sdpa, (q, k, v))}, do)
+            record("wide", row)
+            del q, k, v, do
+            free()
+
+    def sec_profile():
+        put("profile", [])
+        if left_s() < args.first_call_reserve:
+            put("profile_status", "skipped: time budget")
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        for D in Ds:
+            q, k, v = make_inputs(B, Tbig, H, D, D)
+            do = torch.randn_like(v)
+            g = make_gates(B, Tbig, H)
+            for call, (fn, inputs) in hla_candidates(q, k, v, g).items():
+                run = fwd_bwd(fn, inputs, do)
+                run()
+                sync()
+                with profile(activities=[ProfilerActivity.CUDA if CUDA else ProfilerActivity.CPU]) as prof:
+                    for _ in range(3):
+                        run()
+                    sync()
+                kernels = {}
+                for ev in prof.key_averages():
+                    t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+                    if t and "hla2_" in ev.key:
+                        kernels[ev.key] = {"ms_per_step": t / 3 / 1e3, "calls_per_step": ev.count / 3}
+                record("profile", {"B": B, "H": H, "T": Tbig, "K": D, "V": D, "call": call, "kernels": kernels})
+            del q, k, v, do, g
+            free()
+
+    def sec_variants():
+        put("variants", [])
+        defaults = {}
+        Tv = Tbig
+        for D in Ds:
+            q, k, v = make_inputs(B, Tv, H, D, D)
+            do = torch.randn_like(v)
+            base = hla_fast.hla2_config(B, Tv, H, D, D, q.dtype, q.device)
+            defaults[D] = dataclasses.asdict(base)
+            put("variant_defaults", defaults)
+            for kind, ch in variant_changes(D):
+                label = ",".join(f"{k_}={v_}" for k_, v_ in ch.items()) or "default"
+                row = {"K": D, "V": D, "T": Tv, "B": B, "H": H, "pass": kind, "change": label}
+                if left_s() < args.first_call_reserve:
+                    row["status"] = "skipped: time budget"
+                    record("variants", row)
+                    continue
+                try:
+                    cfg = base.replace(**ch)
+                    row["config"] = dataclasses.asdict(cfg)
+                    fn = lambda q, k, v, cfg=cfg: hla(q, k, v, config=cfg)  # noqa: E731
+                    run = fwd_only(fn, (q, k, v)) if kind == "fwd" else fwd_bwd(fn, (q, k, v), do)
+                    t0 = time.perf_counter()
+                    row["ms"] = median_ms(run)
+                    row["seconds_incl_compile"] = time.perf_counter() - t0
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                record("variants", row)
+                free()
+            del q, k, v, do
+            free()
+
+    def sec_accuracy():
+        put("accuracy", [])
+        Ha, Da = (2, 16) if smoke else (4, 64)
+        for T in ([64, 128] if smoke else ([1024, 4096] if args.quick else [1024, 4096, 16384, 32768])):
+            q, k, v = make_inputs(1, T, Ha, Da, Da, dtype=torch.float32, seed=T)
+            ref, _ = hla_fast.hla2(q.double(), k.double(), v.double(), gamma=GAMMA, backend="torch")
+            row = {"T": T, "B": 1, "H": Ha, "K": Da, "V": Da, "gamma": GAMMA}
             for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
                 qq, kk, vv = (x.to(dt) for x in (q, k, v))
                 ref_d = ref if dt == torch.float32 else hla_fast.hla2(
-                    qq.double(), kk.double(), vv.double(), gamma=0.999, backend="torch")[0]
-                o, _ = hla_fast.hla2(qq, kk, vv, gamma=0.999)
+                    qq.double(), kk.double(), vv.double(), gamma=GAMMA, backend="torch")[0]
+                o, _ = hla_fast.hla2(qq, kk, vv, gamma=GAMMA, backend="triton")
                 row[name] = float((o.double() - ref_d).norm() / ref_d.norm())
             record("accuracy", row)
+            del q, k, v, ref
+            free()
 
-    write_report(res, args.out, args.tag)
+    fc_state = {}
+
+    def start_first_call():
+        shape = ({"B": 1, "T": 64, "H": 2} if smoke else {"B": 4, "T": 2048, "H": 16})
+        variants = first_call_variants(dims=(16,) if smoke else ((64,) if args.quick else (32, 64, 128)))
+        # at least a minute for this section even when the run is behind its budget
+        deadline = time.perf_counter() + max(left_s(), 60.0)
+        jobs = min(args.first_call_jobs, 2) if smoke else args.first_call_jobs
+        put("first_call_setup", dict(shape, jobs=jobs, cpus=os.cpu_count(), timeout_s=args.first_call_timeout,
+                                     budget_left_s=left_s(), overlapped_with_accuracy=not args.no_overlap))
+        put("first_call", [])
+        env_extra = {"TRITON_INTERPRET": "1"} if smoke else None
+        fc_state["t0"] = time.perf_counter()
+        fc_state["pool"] = FirstCallPool(variants, shape, jobs, args.first_call_timeout, deadline,
+                                         lambda row: record("first_call", row), env_extra=env_extra)
+        log(f"first_call: {len(variants)} subprocesses started, {jobs} at a time")
+
+    def join_first_call():
+        fc_state["pool"].join()
+        with lock:
+            res["first_call_setup"]["section_s"] = time.perf_counter() - fc_state["t0"]
+        log(f"first_call done, {time.perf_counter() - fc_state['t0']:.1f} s since its subprocesses started")
+
+    section_fns = {"decode": sec_decode, "main": sec_main, "short": sec_short, "memory": sec_memory,
+                   "wide": sec_wide, "profile": sec_profile, "variants": sec_variants, "accuracy": sec_accuracy,
+                   "first_call": join_first_call}
+
+    def run_section(name):
+        t0 = time.perf_counter()
+        log(f"section {name} ...")
+        try:
+            section_fns[name]()
+        except Exception:  # noqa: BLE001
+            tb = traceback.format_exc()
+            print(tb, flush=True)
+            with lock:
+                res["errors"][name] = tb
+        free()
+        with lock:
+            res["timing"][name] = time.perf_counter() - t0
+        try:
+            with lock:  # first-call threads may be saving rows meanwhile
+                write_report(res, args.out, args.tag, show=False)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+        log(f"section {name} done in {time.perf_counter() - t0:.1f} s")
+
+    for name in chosen:
+        if name == "accuracy" and "first_call" in chosen and not args.no_overlap:
+            start_first_call()  # accuracy times nothing: compile the first calls meanwhile
+        if name == "first_call" and "pool" not in fc_state:
+            start_first_call()
+        run_section(name)
+    with lock:
+        res["timing"]["total"] = time.perf_counter() - T0
+        write_report(res, args.out, args.tag)
+    log(f"wrote {os.path.join(args.out, f'hla2_{args.tag}.json')} and .md")
 
 
 if __name__ == "__main__":

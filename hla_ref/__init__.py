@@ -3,7 +3,8 @@
 Higher-order Linear Attention (HLA; Zhang, Qin, Wang, Gu, arXiv 2510.27258) replaces the n x n
 attention matrix with small prefix moments of the keys, queries and values, keeps exact causality
 with cross-summaries, and trains chunk-parallel through associative scans. This package holds every
-operator in four forms that compute the same numbers:
+operator in four forms that compute the same numbers, for a constant decay gamma or for per-token
+gates a_t (below):
 
 =========  ==============================================================  =========================
 form       what it does                                                    cost
@@ -17,9 +18,23 @@ chunked    dense masked work inside a chunk, a carried state across        what 
 =========  ==============================================================  =========================
 
 Single head throughout: ``Q, K`` have shape ``(n, d)``, ``V`` has shape ``(n, dv)``, outputs
-``(n, dv)``. float64 by default; float32 inputs stay float32. Every operator form takes
-``gamma=1.0`` (decay, 0 < gamma <= 1), ``normalize=False`` and ``eps=1e-6`` (output
-``num / (den + eps)``, den being the same sum with every v_j replaced by 1).
+``(n, dv)``. float64 by default; float32 inputs stay float32. Every operator form (and
+``linear_attention``, and the ``*_weights`` matrices) takes ``gamma=1.0``, ``normalize=False`` and
+``eps=1e-6`` (output ``num / (den + eps)``, den being the same sum with every v_j replaced by 1).
+
+``gamma`` is either a float in (0, 1] (one decay for every token) or a 1-D float array of shape
+``(n,)`` of per-token gates a_t in (0, 1] (a list of floats is accepted too; no broadcasting).
+With b_t = sum_{s <= t} log a_s, every operator keeps its index set and weighs a term with summed
+indices x_1..x_p read at token t by exp(p b_t - b_{x_1} - ... - b_{x_p}), the product of the
+gates each index has been through: exp(2 b_t - b_i - b_j) at second order, exp(b_t - b_j) for
+AHLA and first-order linear attention, exp(3 b_t - b_i - b_u - b_j) at third order. Every
+recurrence multiplies by a_t at step t where it multiplied by gamma, a segment's rho is the
+product of its tokens' factors, and the chunked forms only ever exponentiate sums of log a <= 0,
+so a gate near 0 (down to the smallest positive float64) cannot overflow. A constant gamma is
+b_t = (t + 1) log gamma, and an array filled with gamma gives the float-gamma result. A gate
+closing at s (a_s -> 0) cuts the context: outputs at t >= s no longer see the tokens before s.
+``hla_ref.published`` (the paper's formulas as printed) takes a float gamma only.
+Inputs must be NumPy arrays (or nested lists of floats): torch tensors are refused by name.
 
 Glossary: code names and the paper's symbols
 --------------------------------------------
@@ -36,6 +51,8 @@ masked=False           unmasked output q_t^T S^K_t C^QV_t                   eq. 
 ``ridge``              the optional lambda I added to S^K                   (optional)
 ``W``, ``z``           compact state S C - G, S m - h (decoder)             (this project)
 ``gamma``, ``rho``     decay per token; rho = gamma^(segment length)        Sec. 4.3
+``gamma`` array, a_t   per-token gate a_t in (0, 1]; rho = prod of a_t      (this project)
+``b``, ``log_a``       b_t = sum_{s <= t} log a_s; decay exp(b_t - b_x)     (this project)
 HLA2Segment, combine   segment summary and its associative operator         Sec. 4, Theorem 4.1
 ``P``, ``E``           AHLA moments P^KV_t, E_t                             Sec. 6, Theorem 6.1
 ``R``                  AHLA segment moment sum k_i q_i^T (undecayed)        Sec. 6.2 (Erratum B)

@@ -3,20 +3,48 @@
 Each check raises a ``TypeError`` (wrong kind of value) or ``ValueError`` (right kind, wrong value)
 whose message starts with the argument's name, so a caller sees at once what to fix.
 Nothing is silently truncated, broadcast or cast from a non-float type.
+
+Arrays are checked *before* NumPy converts them: a torch tensor is refused with a ``TypeError``
+that names the argument (``hla_ref`` is NumPy-only and never imports torch; a tensor is recognised
+by its type's module, ``type(x).__module__.startswith("torch")``), and a ragged nested list, which
+NumPy cannot turn into an array, is refused with a ``ValueError`` that names it.
 """
 
 from __future__ import annotations
 
 import numbers
+from typing import NamedTuple
 
 import numpy as np
 
 _FLOATS = (np.float32, np.float64)
 
 
+def _is_torch(x) -> bool:
+    """True for a torch tensor (or any object of a torch type), without importing torch."""
+    return type(x).__module__.startswith("torch")
+
+
+def to_array(x, name: str) -> np.ndarray:
+    """``np.asarray(x)``, refusing torch tensors and ragged nested lists by ``name``."""
+    if _is_torch(x):
+        raise TypeError(
+            f"{name} is a torch object ({type(x).__name__}, dtype {getattr(x, 'dtype', '?')}); "
+            f"hla_ref is NumPy-only: pass a NumPy float32/float64 array, e.g. "
+            f"{name}.detach().cpu().double().numpy()"
+        )
+    try:
+        return np.asarray(x)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(
+            f"{name} cannot be converted to a NumPy array (a ragged nested list, with rows of "
+            f"different lengths?): {exc}"
+        ) from None
+
+
 def as_matrix(x, name: str) -> np.ndarray:
     """Return ``x`` as a 2-D float32/float64 array, or raise naming ``name``."""
-    arr = np.asarray(x)
+    arr = to_array(x, name)
     if arr.dtype.type not in _FLOATS:
         raise TypeError(
             f"{name} must be a float32 or float64 array, got dtype {arr.dtype}"
@@ -61,11 +89,14 @@ def check_qkv(Q, K, V):
 
 def check_token(q, k, v):
     """Validate one token's ``q, k: (d,)`` and ``v: (dv,)`` (the one-token segment builders)."""
-    Q, K, V = check_qkv(np.asarray(q)[None], np.asarray(k)[None], np.asarray(v)[None])
+    q, k, v = to_array(q, "q"), to_array(k, "k"), to_array(v, "v")
+    Q, K, V = check_qkv(q[None], k[None], v[None])
     return Q[0], K[0], V[0]
 
 
 def _real(x, name: str) -> float:
+    if _is_torch(x):
+        raise TypeError(f"{name} is a torch object ({type(x).__name__}); pass a Python float")
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(x).__name__}")
     x = float(x)
@@ -75,11 +106,83 @@ def _real(x, name: str) -> float:
 
 
 def check_gamma(gamma) -> float:
-    """Decay ``gamma`` must be a finite real in (0, 1]; 1 means no decay."""
+    """A constant decay ``gamma``: a finite real in (0, 1]; 1 means no decay.
+
+    Used where only one factor makes sense (a one-token segment's factor, and the paper's
+    formulas in ``hla_ref.published``); the operator forms take per-token gates through
+    :func:`check_gates`."""
+    if _is_torch(gamma):
+        to_array(gamma, "gamma")                    # raises the TypeError naming gamma
+    if isinstance(gamma, (list, tuple, np.ndarray)):
+        raise TypeError(
+            f"gamma must be a real number in (0, 1] here, got {type(gamma).__name__}: this "
+            f"function takes one constant decay factor (the paper's formulas in "
+            f"hla_ref.published, or one token's own factor in a *_segment builder), not an "
+            f"array of per-token gates"
+        )
     g = _real(gamma, "gamma")
     if not 0.0 < g <= 1.0:
         raise ValueError(f"gamma must lie in (0, 1], got {g}")
     return g
+
+
+class Gates(NamedTuple):
+    """The per-token decay of a sequence of n tokens, as every operator form uses it.
+
+    a:     (n,) float64, the factors a_t in (0, 1] (all equal to gamma for a float gamma)
+    log_a: (n,) float64, log a_t <= 0; finite, since the log of a positive float64 is > -745
+    b:     (n,) float64, b_t = sum_{s <= t} log a_s (non-increasing)
+
+    Everything decays by differences of b: a term that entered at token x and is read at token
+    t >= x carries exp(b_t - b_x) = a_{x+1} ... a_t (empty product 1 at x = t); a constant gamma
+    is b_t = (t + 1) log gamma, and exp(b_t - b_x) = gamma^(t-x). The first factor a_0 multiplies
+    only the (empty) state before the sequence, so it never changes an output.
+    """
+    a: np.ndarray
+    log_a: np.ndarray
+    b: np.ndarray
+
+
+def check_gates(gamma, n: int) -> Gates:
+    """Validate ``gamma`` for a sequence of ``n`` tokens and return its :class:`Gates`.
+
+    ``gamma`` is either a real number in (0, 1] (the same factor for every token) or a 1-D float
+    array of shape ``(n,)`` of per-token factors a_t in (0, 1]: any NumPy float dtype, or a
+    Python list / tuple of floats that NumPy turns into one (a list of ints or bools is refused
+    like an int array). Refused: int / bool / object / complex dtypes (``TypeError``), any other
+    shape, a length other than n (no broadcasting), NaN, inf, a_t <= 0 or a_t > 1
+    (``ValueError``), a torch tensor (``TypeError``) and a ragged list (``ValueError``).
+    """
+    if isinstance(gamma, (bool, np.bool_)) or gamma is None or isinstance(gamma, (str, bytes)):
+        raise TypeError(
+            f"gamma must be a real number in (0, 1] or a float array of per-token factors of "
+            f"shape (n,), got {type(gamma).__name__}"
+        )
+    if isinstance(gamma, numbers.Real) and not _is_torch(gamma):
+        a = np.full(n, check_gamma(gamma))
+    else:
+        arr = to_array(gamma, "gamma")
+        if not np.issubdtype(arr.dtype, np.floating):
+            raise TypeError(
+                f"gamma as an array of per-token factors must have a float dtype, got dtype "
+                f"{arr.dtype} (a list of ints such as [1, 1] is refused too: write 1.0)"
+            )
+        if arr.shape != (n,):
+            raise ValueError(
+                f"gamma as an array of per-token factors must have shape (n,) = ({n},), one "
+                f"factor per token, got shape {arr.shape}"
+            )
+        a = arr.astype(np.float64)
+        bad = ~np.isfinite(a)
+        if bad.any():
+            t = int(np.argmax(bad))
+            raise ValueError(f"gamma must be finite, got gamma[{t}] = {float(a[t])}")
+        bad = ~((a > 0.0) & (a <= 1.0))
+        if bad.any():
+            t = int(np.argmax(bad))
+            raise ValueError(f"gamma factors must lie in (0, 1], got gamma[{t}] = {float(a[t])!r}")
+    log_a = np.log(a)
+    return Gates(a, log_a, np.cumsum(log_a))
 
 
 def check_eps(eps) -> float:
@@ -120,7 +223,16 @@ def check_variant(variant) -> str:
 
 
 def check_common(Q, K, V, gamma, normalize, eps):
-    """Validate the arguments every operator form takes; returns them cleaned."""
+    """Validate the arguments every operator form takes; returns ``Q, K, V, gates, normalize,
+    eps`` cleaned, ``gates`` being the :class:`Gates` of ``gamma`` (float or per-token array)."""
+    Q, K, V = check_qkv(Q, K, V)
+    return (Q, K, V, check_gates(gamma, Q.shape[0]), check_flag(normalize, "normalize"),
+            check_eps(eps))
+
+
+def check_common_constant(Q, K, V, gamma, normalize, eps):
+    """:func:`check_common` for a constant decay only (``hla_ref.published``): ``gamma`` comes
+    back as a float, and an array gamma is refused."""
     Q, K, V = check_qkv(Q, K, V)
     return Q, K, V, check_gamma(gamma), check_flag(normalize, "normalize"), check_eps(eps)
 
@@ -131,10 +243,17 @@ def with_ones(V: np.ndarray) -> np.ndarray:
     return np.concatenate([V, np.ones((V.shape[0], 1), V.dtype)], axis=1)
 
 
-def decay_matrix(n: int, gamma: float, power: int = 1, dtype=np.float64) -> np.ndarray:
-    """``Gamma[t, j] = gamma**(power*(t - j))`` for ``j <= t`` and 0 above the diagonal: (n, n).
+def decay_matrix(log_a, power: int = 1, dtype=np.float64) -> np.ndarray:
+    """``D[r, c] = exp(power (b_r - b_c)) = (a_{c+1} ... a_r)^power`` for ``c <= r``, 0 above: (n, n).
 
-    Exponents are never negative, so no entry exceeds 1 (no overflow for small gamma)."""
-    t = np.arange(n)
-    diff = t[:, None] - t[None, :]
-    return np.where(diff >= 0, float(gamma) ** (power * np.maximum(diff, 0)), 0.0).astype(dtype)
+    ``log_a`` (n,) are the log factors of the tokens (of a whole sequence or of one chunk: only
+    differences of b enter). The exponent is built as a column-wise running sum
+    ``E[r, c] = sum_{c < s <= r} log a_s``, so it is never positive (no entry exceeds 1: a gate
+    near 0 cannot overflow anything) and no two large b's are subtracted. For a constant gamma,
+    ``D[r, c] = gamma^(power (r - c))``.
+    """
+    log_a = np.asarray(log_a, dtype=np.float64)
+    n = log_a.shape[0]
+    lower = np.tril(np.ones((n, n), dtype=bool))
+    E = np.cumsum(np.where(np.tril(lower, -1), log_a[:, None], 0.0), axis=0)
+    return np.where(lower, np.exp(power * E), 0.0).astype(dtype)

@@ -1,4 +1,5 @@
-"""Small helpers that turn per-token numerators and denominators into outputs."""
+"""Small helpers that turn per-token numerators and denominators into outputs, and the decay
+factors of one chunk."""
 
 from __future__ import annotations
 
@@ -12,11 +13,20 @@ def read_out(num: np.ndarray, den: np.ndarray, normalize: bool, eps: float) -> n
     return num / (den + eps)[:, None]
 
 
-def chunk_decays(c: int, gamma: float, dtype):
-    """Decay factors for one chunk of ``c`` tokens at local positions tau = 1..c.
+def chunk_decays(log_a: np.ndarray, dtype):
+    """Decay factors of one chunk of ``c`` tokens, from their log factors ``log_a`` (c,).
 
-    Returns ``g[tau-1] = gamma**tau`` (from the state before the chunk to token tau) and
-    ``to_end[tau-1] = gamma**(c - tau)`` (from token tau to the chunk's last token). All <= 1.
+    With r the chunk's tokens, ``before`` the token just before the chunk and ``end`` its last one:
+
+    * ``g[r] = exp(b_r - b_before) = a_start ... a_r``: from the state before the chunk to token r;
+    * ``to_end[r] = exp(b_end - b_r) = a_{r+1} ... a_end``: from token r to the chunk's last token;
+    * ``rho = exp(b_end - b_before)``, the product of the chunk's factors (a Python float).
+
+    The exponents are running sums of log a <= 0 taken inside the chunk (never a difference of
+    two large b's), so every factor is <= 1. For a constant gamma, at local positions
+    tau = 1..c: ``g = gamma^tau``, ``to_end = gamma^(c - tau)``, ``rho = gamma^c``.
     """
-    tau = np.arange(1, c + 1)
-    return (gamma ** tau).astype(dtype), (gamma ** (c - tau)).astype(dtype)
+    log_a = np.asarray(log_a, dtype=np.float64)
+    inc = np.cumsum(log_a)                                     # sum_{start <= s <= r}
+    suffix = np.concatenate([np.cumsum(log_a[:0:-1])[::-1], [0.0]])  # sum_{r < s <= end}
+    return np.exp(inc).astype(dtype), np.exp(suffix).astype(dtype), float(np.exp(inc[-1]))

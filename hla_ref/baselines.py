@@ -43,15 +43,17 @@ def softmax_attention(Q, K, V, *, causal: bool = True, scale: float | None = Non
     return (weights @ V).astype(V.dtype, copy=False)
 
 
-def linear_attention(Q, K, V, *, gamma: float = 1.0, normalize: bool = False,
+def linear_attention(Q, K, V, *, gamma=1.0, normalize: bool = False,
                      eps: float = 1e-6) -> np.ndarray:
     """First-order (causal, decayed) linear attention, as an ``n x n`` matrix:
 
     ``o_t = sum_{j <= t} gamma^(t-j) (q_t . k_j) v_j``, i.e. ``((Q K^T) o L o Gamma) V``.
-    Returns ``(n, dv)``.
+    ``gamma``: a float in (0, 1] or an array (n,) of per-token factors a_t; with gates the weight
+    is ``exp(b_t - b_j) = a_{j+1} ... a_t`` (b_t = sum_{s <= t} log a_s), the output of the
+    recurrence P_t = a_t P_{t-1} + k_t v_t^T, o_t = q_t^T P_t. Returns ``(n, dv)``.
     """
-    Q, K, V, gamma, normalize, eps = check_common(Q, K, V, gamma, normalize, eps)
+    Q, K, V, gates, normalize, eps = check_common(Q, K, V, gamma, normalize, eps)
     Vh = with_ones(V) if normalize else V
-    A = (Q @ K.T) * decay_matrix(Q.shape[0], gamma, dtype=Q.dtype)
+    A = (Q @ K.T) * decay_matrix(gates.log_a, dtype=Q.dtype)
     out = A @ Vh
     return read_out(out[:, : V.shape[1]], out[:, -1], normalize, eps)

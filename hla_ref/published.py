@@ -11,13 +11,17 @@ gamma < 1. At gamma = 1 they coincide with the corrected forms.
   (``R_AB = rho_B R_A + R_B``) although its cross term needs it undecayed.
 * Erratum C (Theorem 7.1) is not a formula to keep: Algorithm 3 is implemented as
   ``hla3_*(variant="paper")``, the operator it really computes.
+
+The paper prints these formulas for one constant decay, so here ``gamma`` must be a float in
+(0, 1]: an array of per-token gates is refused with a ``TypeError`` (the corrected forms in
+``hla_ref`` take them).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ._checks import check_common
+from ._checks import check_common_constant
 from ._readout import read_out
 from .asymmetric import AHLASegment, scan_ahla
 from .second_order import HLA2Segment, scan_hla2
@@ -33,7 +37,7 @@ def hla2_stream_published(Q, K, V, *, gamma: float = 1.0, normalize: bool = Fals
     """Algorithm 1 with the paper's decay: ``G_t = gamma G_{t-1} + k_t k_t^T C_{t-1}`` (h likewise),
     S, C, m decayed by gamma, o_t = q_t^T (S_t C_t - G_t). Q, K (n, d); V (n, dv) -> (n, dv).
     Wrong for gamma < 1 (Erratum A)."""
-    Q, K, V, gamma, normalize, eps = check_common(Q, K, V, gamma, normalize, eps)
+    Q, K, V, gamma, normalize, eps = check_common_constant(Q, K, V, gamma, normalize, eps)
     (n, d), dv, dt = Q.shape, V.shape[1], Q.dtype
     S, C, m = np.zeros((d, d), dt), np.zeros((d, dv), dt), np.zeros(d, dt)
     G, h = np.zeros((d, dv), dt), np.zeros(d, dt)
@@ -67,8 +71,8 @@ def hla2_combine_published(A: HLA2Segment, B: HLA2Segment) -> HLA2Segment:
 def hla2_scan_published(Q, K, V, *, gamma: float = 1.0, normalize: bool = False,
                         eps: float = 1e-6) -> np.ndarray:
     """:func:`hla_ref.hla2_scan` run with :func:`hla2_combine_published`. (n, dv)."""
-    Q, K, V, gamma, normalize, eps = check_common(Q, K, V, gamma, normalize, eps)
-    return scan_hla2(Q, K, V, gamma, normalize, eps, hla2_combine_published)
+    Q, K, V, gamma, normalize, eps = check_common_constant(Q, K, V, gamma, normalize, eps)
+    return scan_hla2(Q, K, V, np.full(Q.shape[0], gamma), normalize, eps, hla2_combine_published)
 
 
 def ahla_combine_published(A: AHLASegment, B: AHLASegment) -> AHLASegment:
@@ -88,5 +92,5 @@ def ahla_combine_published(A: AHLASegment, B: AHLASegment) -> AHLASegment:
 def ahla_scan_published(Q, K, V, *, gamma: float = 1.0, normalize: bool = False,
                         eps: float = 1e-6) -> np.ndarray:
     """:func:`hla_ref.ahla_scan` run with :func:`ahla_combine_published`. (n, dv)."""
-    Q, K, V, gamma, normalize, eps = check_common(Q, K, V, gamma, normalize, eps)
-    return scan_ahla(Q, K, V, gamma, normalize, eps, ahla_combine_published)
+    Q, K, V, gamma, normalize, eps = check_common_constant(Q, K, V, gamma, normalize, eps)
+    return scan_ahla(Q, K, V, np.full(Q.shape[0], gamma), normalize, eps, ahla_combine_published)

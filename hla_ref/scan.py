@@ -88,15 +88,17 @@ def inclusive_scan(items: Sequence[T], combine: Callable[[T, T], T], identity: T
     return [combine(p, x) for p, x in zip(blelloch_scan(items, combine, identity), items)]
 
 
-def token_scan(Q, K, V, gamma, segment, combine, identity, read):
+def token_scan(Q, K, V, a, segment, combine, identity, read):
     """Scan one-token segments and read every inclusive prefix out.
 
-    ``segment(q, k, v, gamma)`` builds a token's summary, ``identity(d, dv, dtype)`` the empty one,
-    ``read(q_t, prefix)`` returns the pair (numerator (dv,), denominator scalar) of token t.
-    Returns ``num`` (n, dv) and ``den`` (n,).
+    ``a`` (n,) holds the tokens' decay factors a_t (all equal for a constant gamma);
+    ``segment(q, k, v, a_t)`` builds token t's summary (its rho is a_t), ``identity(d, dv, dtype)``
+    the empty one, ``read(q_t, prefix)`` returns the pair (numerator (dv,), denominator scalar) of
+    token t. Returns ``num`` (n, dv) and ``den`` (n,).
     """
     (n, d), dv = Q.shape, V.shape[1]
-    segs = [segment(Q[t], K[t], V[t], gamma) for t in range(n)]
+    factors = np.asarray(a, dtype=np.float64).tolist()   # Python floats keep float32 states float32
+    segs = [segment(Q[t], K[t], V[t], factors[t]) for t in range(n)]
     prefixes = inclusive_scan(segs, combine, identity(d, dv, Q.dtype))
     pairs = [read(Q[t], s) for t, s in enumerate(prefixes)]
     num = np.array([p[0] for p in pairs], Q.dtype).reshape(n, dv)

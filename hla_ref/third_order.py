@@ -11,6 +11,11 @@ Both are causal; they differ by O(1). Theorem 7.1 claims they are equal.
 The masked operator streams with a state of d^2 + d dv numbers (S, P, F) and scans with segment
 pieces of size d x d or d x dv. Algorithm 3's operator needs, for a fully parallel scan, a
 (d, d, d, dv) linear map per segment (the paper's M^KQP). Shapes: Q, K (n, d); V (n, dv).
+
+Per-token gates: ``gamma`` may also be an array (n,) of factors a_t in (0, 1]; with
+b_t = sum_{s <= t} log a_s both operators keep their index sets and weigh a triple by
+exp(3 b_t - b_i - b_u - b_j); every recurrence multiplies by a_t at step t where it multiplied
+by gamma (a_t^2, a_t^3 where it multiplied by gamma^2, gamma^3).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ._checks import (
-    check_chunk_size, check_common, check_flag, check_gamma, check_qk, check_token,
+    check_chunk_size, check_common, check_flag, check_gamma, check_gates, check_qk, check_token,
     check_variant, decay_matrix, with_ones,
 )
 from ._readout import chunk_decays, read_out
@@ -44,27 +49,29 @@ def largest_index_twice(i, u, j):
     return ((i == top).astype(int) + (u == top) + (j == top)) >= 2
 
 
-def hla3_weights(Q, K, *, gamma: float = 1.0, variant: str = "masked") -> np.ndarray:
+def hla3_weights(Q, K, *, gamma=1.0, variant: str = "masked") -> np.ndarray:
     """The ``(n, n)`` matrix T with ``o = T V``.
 
     masked: T = (Gamma_3 o (X Wg^T)) Wg with X = Q K^T and Wg = X o Gamma_1, because
         gamma^(3t-i-u-j) = gamma^(3(t-u)) gamma^(u-i) gamma^(u-j).
     paper: for every t, the (t+1)^3 weight tensor over (i, u, j) restricted to
         :func:`largest_index_twice`, summed over i and u (O(n^4): small n only).
+    ``gamma``: a float in (0, 1] or an array (n,) of per-token factors; then
+    Gamma_p[t, x] = exp(p (b_t - b_x)) and the same splits hold with b in place of the indices.
     """
     Q, K = check_qk(Q, K)
-    gamma = check_gamma(gamma)
+    gates = check_gates(gamma, Q.shape[0])
     variant = check_variant(variant)
     n = Q.shape[0]
     X = Q @ K.T
-    Gam = decay_matrix(n, gamma, dtype=X.dtype)
+    Gam = decay_matrix(gates.log_a, dtype=X.dtype)
     Wg = X * Gam
     if variant == "masked":
         return (Gam ** 3 * (X @ Wg.T)) @ Wg
     T = np.zeros_like(X)
     for t in range(n):
         idx = np.arange(t + 1)
-        w = gamma ** (t - idx)                       # gamma^(t-i), <= 1
+        w = Gam[t, : t + 1]                          # gamma^(t-i) (exp(b_t - b_i)), <= 1
         a = X[t, : t + 1] * w                        # (q_t . k_i) gamma^(t-i)
         b = X[: t + 1, : t + 1].T * w[None, :]       # b[i, u] = (k_i . q_u) gamma^(t-u)
         c = X[: t + 1, : t + 1] * w[None, :]         # c[u, j] = (q_u . k_j) gamma^(t-j)
@@ -73,13 +80,14 @@ def hla3_weights(Q, K, *, gamma: float = 1.0, variant: str = "masked") -> np.nda
     return T
 
 
-def hla3_naive(Q, K, V, *, gamma: float = 1.0, normalize: bool = False, eps: float = 1e-6,
+def hla3_naive(Q, K, V, *, gamma=1.0, normalize: bool = False, eps: float = 1e-6,
                variant: str = "masked") -> np.ndarray:
-    """Third-order HLA from its weights (definition). Q, K (n, d); V (n, dv) -> (n, dv)."""
-    Q, K, V, gamma, normalize, eps = check_common(Q, K, V, gamma, normalize, eps)
+    """Third-order HLA from its weights (definition). ``gamma``: a float in (0, 1] or an array
+    (n,) of per-token factors. Q, K (n, d); V (n, dv) -> (n, dv)."""
+    Q, K, V, gates, normalize, eps = check_common(Q, K, V, gamma, normalize, eps)
     variant = check_variant(variant)
     Vh = with_ones(V) if normalize else V
-    out = hla3_weights(Q, K, gamma=gamma, variant=variant) @ Vh
+    out = hla3_weights(Q, K, gamma=gates.a, variant=variant) @ Vh
     return read_out(out[:, : V.shape[1]], out[:, -1], normalize, eps)
 
 
@@ -93,6 +101,7 @@ class HLA3State(NamedTuple):
     S: (d, d)  S^K_t = sum gamma^(t-i) k_i k_i^T      P: (d, dv) P_t = sum gamma^(t-j) k_j v_j^T
     F: (d, dv) F_t = gamma^3 F_{t-1} + (S_t q_t)(q_t^T P_t)
     p: (d,) P with v -> 1;  f: (d,) F with v -> 1
+    With per-token gates: gamma^(t-x) -> exp(b_t - b_x), gamma^3 -> a_t^3.
     """
     S: np.ndarray
     P: np.ndarray
@@ -117,17 +126,18 @@ class HLA3PaperState(NamedTuple):
     g3: np.ndarray
 
 
-def _stream_masked(Q, K, V, gamma):
+def _stream_masked(Q, K, V, a):
+    """The masked recurrence; ``a`` (list of n floats) holds the tokens' factors."""
     (n, d), dv, dt = Q.shape, V.shape[1], Q.dtype
     S, P, F = np.zeros((d, d), dt), np.zeros((d, dv), dt), np.zeros((d, dv), dt)
     p, f = np.zeros(d, dt), np.zeros(d, dt)
     num, den = np.zeros((n, dv), dt), np.zeros(n, dt)
-    g3 = gamma ** 3
     for t in range(n):
-        q, k, v = Q[t], K[t], V[t]
-        S = gamma * S + np.outer(k, k)
-        P = gamma * P + np.outer(k, v)
-        p = gamma * p + k
+        q, k, v, g = Q[t], K[t], V[t], a[t]
+        g3 = g * g * g
+        S = g * S + np.outer(k, k)
+        P = g * P + np.outer(k, v)
+        p = g * p + k
         Sq = S @ q
         F = g3 * F + np.outer(Sq, q @ P)
         f = g3 * f + Sq * (q @ p)
@@ -135,15 +145,16 @@ def _stream_masked(Q, K, V, gamma):
     return num, den, HLA3State(S, P, F, p, f)
 
 
-def _stream_paper(Q, K, V, gamma):
+def _stream_paper(Q, K, V, gates):
+    """Algorithm 3 with decay; ``gates`` (list of n floats) holds the tokens' factors."""
     (n, d), dv, dt = Q.shape, V.shape[1], Q.dtype
     SK, SQ = np.zeros((d, d), dt), np.zeros((d, d), dt)
     P, G1, G2, G3 = (np.zeros((d, dv), dt) for _ in range(4))
     p, g1, g2, g3 = (np.zeros(d, dt) for _ in range(4))
     num, den = np.zeros((n, dv), dt), np.zeros(n, dt)
-    a, b = gamma ** 3, gamma ** 2
     for t in range(n):
-        q, k, v = Q[t], K[t], V[t]
+        q, k, v, g = Q[t], K[t], V[t], gates[t]
+        a, b = g ** 3, g ** 2
         # Triples whose largest index t occurs once; moments are those of tokens < t.
         kSQ, SKq, SKSQk = k @ SQ, SK @ q, SK @ (SQ @ k)
         G1 = a * G1 + b * np.outer(k, kSQ @ P)            # i = t alone
@@ -152,37 +163,38 @@ def _stream_paper(Q, K, V, gamma):
         g2 = a * g2 + b * SKq * (q @ p)
         G3 = a * G3 + b * np.outer(SKSQk, v)              # j = t alone
         g3 = a * g3 + b * SKSQk
-        SK = gamma * SK + np.outer(k, k)
-        SQ = gamma * SQ + np.outer(q, q)
-        P = gamma * P + np.outer(k, v)
-        p = gamma * p + k
+        SK = g * SK + np.outer(k, k)
+        SQ = g * SQ + np.outer(q, q)
+        P = g * P + np.outer(k, v)
+        p = g * p + k
         qSKSQ = q @ SK @ SQ
         num[t] = qSKSQ @ P - q @ (G1 + G2 + G3)
         den[t] = qSKSQ @ p - q @ (g1 + g2 + g3)
     return num, den, HLA3PaperState(SK, SQ, P, G1, G2, G3, p, g1, g2, g3)
 
 
-def hla3_stream(Q, K, V, *, gamma: float = 1.0, normalize: bool = False, eps: float = 1e-6,
+def hla3_stream(Q, K, V, *, gamma=1.0, normalize: bool = False, eps: float = 1e-6,
                 variant: str = "masked", return_state: bool = False):
-    """Third-order HLA one token at a time.
+    """Third-order HLA one token at a time (a_t = gamma for a float gamma).
 
     masked (compact recurrence)::
 
-        S_t = gamma S_{t-1} + k_t k_t^T,  P_t = gamma P_{t-1} + k_t v_t^T
-        F_t = gamma^3 F_{t-1} + (S_t q_t)(q_t^T P_t),   o_t = q_t^T F_t
+        S_t = a_t S_{t-1} + k_t k_t^T,  P_t = a_t P_{t-1} + k_t v_t^T
+        F_t = a_t^3 F_{t-1} + (S_t q_t)(q_t^T P_t),   o_t = q_t^T F_t
 
-    paper (Algorithm 3, with decay: each G^(k) decays by gamma^3 and its increment by gamma^2)::
+    paper (Algorithm 3, with decay: each G^(k) decays by a_t^3 and its increment by a_t^2)::
 
         G1 += k k^T S^Q_{t-1} P_{t-1},  G2 += S^K_{t-1} q q^T P_{t-1},  G3 += S^K_{t-1} S^Q_{t-1} k v^T
         o_t = q_t^T (S^K_t S^Q_t P_t - G1 - G2 - G3)
 
+    ``gamma``: a float in (0, 1] or an array (n,) of per-token factors a_t.
     Q, K (n, d); V (n, dv) -> O (n, dv), or (O, state) with ``return_state``.
     """
-    Q, K, V, gamma, normalize, eps = check_common(Q, K, V, gamma, normalize, eps)
+    Q, K, V, gates, normalize, eps = check_common(Q, K, V, gamma, normalize, eps)
     variant = check_variant(variant)
     return_state = check_flag(return_state, "return_state")
     run = _stream_masked if variant == "masked" else _stream_paper
-    num, den, state = run(Q, K, V, gamma)
+    num, den, state = run(Q, K, V, gates.a.tolist())   # Python floats: float32 stays float32
     out = read_out(num, den, normalize, eps)
     return (out, state) if return_state else out
 
@@ -192,7 +204,9 @@ def hla3_stream(Q, K, V, *, gamma: float = 1.0, normalize: bool = False, eps: fl
 # --------------------------------------------------------------------------------------------
 
 class HLA3Segment(NamedTuple):
-    """Masked third-order segment summary, decayed to the segment's last token e (rho = gamma^len).
+    """Masked third-order segment summary, decayed to the segment's last token e; rho is the
+    product of the segment's factors a_t (gamma^len for a constant gamma; with gates every
+    gamma^(e-x) below reads exp(b_e - b_x)).
 
     S, SQ (d, d): sum gamma^(e-i) k k^T, q q^T.   P (d, dv), p (d,): sum gamma^(e-j) k v^T, k.
     F (d, dv), f (d,): the operator's F over the segment alone.
@@ -213,7 +227,7 @@ class HLA3Segment(NamedTuple):
 
 def hla3_segment(q, k, v, gamma: float = 1.0) -> HLA3Segment:
     """One token: S = k k^T, SQ = q q^T, P = k v^T, F = k (k.q)^2 v^T, R = q (q.k) v^T,
-    N = k k^T q q^T."""
+    N = k k^T q q^T, rho = gamma, this token's own factor a_t (a float in (0, 1])."""
     (q, k, v), gamma = check_token(q, k, v), check_gamma(gamma)
     qk = q @ k
     kv = np.outer(k, v)
@@ -252,7 +266,8 @@ def hla3_combine(A: HLA3Segment, B: HLA3Segment) -> HLA3Segment:
 
 
 class HLA3PaperSegment(NamedTuple):
-    """Segment summary for Algorithm 3's operator (decayed to the segment's end e).
+    """Segment summary for Algorithm 3's operator (decayed to the segment's end e; rho is the
+    product of the segment's factors, and with gates gamma^(e-x) reads exp(b_e - b_x)).
 
     SK, SQ (d, d); P (d, dv), p (d,): decayed moments.   F (d, dv), f (d,): the operator over the
     segment alone.  Diagonal moments (two indices equal), weights gamma^(2(e-i)):
@@ -275,7 +290,8 @@ class HLA3PaperSegment(NamedTuple):
 
 
 def hla3_paper_segment(q, k, v, gamma: float = 1.0) -> HLA3PaperSegment:
-    """One token: every triple is (t, t, t), which Algorithm 3 keeps."""
+    """One token: every triple is (t, t, t), which Algorithm 3 keeps; rho = gamma, this
+    token's own factor a_t (a float in (0, 1])."""
     (q, k, v), gamma = check_token(q, k, v), check_gamma(gamma)
     qk = q @ k
     kv = np.outer(k, v)
@@ -320,18 +336,19 @@ def hla3_paper_combine(A: HLA3PaperSegment, B: HLA3PaperSegment) -> HLA3PaperSeg
     )
 
 
-def hla3_scan(Q, K, V, *, gamma: float = 1.0, normalize: bool = False, eps: float = 1e-6,
+def hla3_scan(Q, K, V, *, gamma=1.0, normalize: bool = False, eps: float = 1e-6,
               variant: str = "masked") -> np.ndarray:
     """Third-order HLA by a Blelloch scan of one-token segments; o_t = q_t^T F of the inclusive
     prefix. ``variant="paper"`` uses :func:`hla3_paper_combine` (d^3 dv map per segment).
+    ``gamma``: a float in (0, 1] or an array (n,) of per-token factors (token t's rho = a_t).
     Q, K (n, d); V (n, dv) -> (n, dv)."""
-    Q, K, V, gamma, normalize, eps = check_common(Q, K, V, gamma, normalize, eps)
+    Q, K, V, gates, normalize, eps = check_common(Q, K, V, gamma, normalize, eps)
     variant = check_variant(variant)
     if variant == "masked":
         make, combine, ident = hla3_segment, hla3_combine, hla3_identity
     else:
         make, combine, ident = hla3_paper_segment, hla3_paper_combine, hla3_paper_identity
-    num, den = token_scan(Q, K, V, gamma, make, combine, ident, lambda q, s: (q @ s.F, q @ s.f))
+    num, den = token_scan(Q, K, V, gates.a, make, combine, ident, lambda q, s: (q @ s.F, q @ s.f))
     return read_out(num, den, normalize, eps)
 
 
@@ -339,9 +356,11 @@ def hla3_scan(Q, K, V, *, gamma: float = 1.0, normalize: bool = False, eps: floa
 # 4. Chunked
 # --------------------------------------------------------------------------------------------
 
-def _chunk_masked(q, k, v, state, gamma):
+def _chunk_masked(q, k, v, state, log_a):
     """One chunk of the masked operator. state = (S, P, F) before the chunk; v may carry a ones
-    column. Returns the chunk's outputs and the state after it.
+    column; ``log_a`` (c,) the chunk's log factors (g, gamma^(c-tau), gamma^c, Gamma_p as in
+    :func:`hla_ref._readout.chunk_decays` / :func:`hla_ref._checks.decay_matrix`).
+    Returns the chunk's outputs and the state after it.
 
         Amat = Gamma_3 o ((Q S Q^T) g_u + X Wg^T)       (q_t^T S_u q_u gamma^(3(t-u)))
         Bmat = g o (Q P) + Wg V                           (row u: q_u^T P_u)
@@ -349,23 +368,24 @@ def _chunk_masked(q, k, v, state, gamma):
         F <- gamma^(3c) F + (S Q^T g + K^T Wg^T) diag(gamma^(3(c-tau))) Bmat
     """
     S, P, F = state
-    c, dt = q.shape[0], q.dtype
-    g, to_end = chunk_decays(c, gamma, dt)
-    Gam = decay_matrix(c, gamma, dtype=dt)
+    dt = q.dtype
+    g, to_end, rho = chunk_decays(log_a, dt)
+    Gam = decay_matrix(log_a, dtype=dt)
     X = q @ k.T
     Wg = X * Gam
     Amat = Gam ** 3 * ((q @ S @ q.T) * g[None, :] + X @ Wg.T)
     Bmat = g[:, None] * (q @ P) + Wg @ v
     out = (g ** 3)[:, None] * (q @ F) + Amat @ Bmat
     SQ = (S @ q.T) * g[None, :] + k.T @ Wg.T                      # column u: S_u q_u
-    F = gamma ** (3 * c) * F + SQ @ (Bmat * (to_end ** 3)[:, None])
-    S = gamma ** c * S + k.T @ (k * to_end[:, None])
-    P = gamma ** c * P + k.T @ (v * to_end[:, None])
+    F = rho ** 3 * F + SQ @ (Bmat * (to_end ** 3)[:, None])
+    S = rho * S + k.T @ (k * to_end[:, None])
+    P = rho * P + k.T @ (v * to_end[:, None])
     return out, (S, P, F)
 
 
-def _chunk_paper(q, k, v, state, gamma):
-    """One chunk of Algorithm 3's operator. state = (SK, SQ, P, F) before the chunk.
+def _chunk_paper(q, k, v, state, log_a):
+    """One chunk of Algorithm 3's operator. state = (SK, SQ, P, F) before the chunk; ``log_a``
+    (c,) the chunk's log factors (with gates, gamma^(x-y) below reads exp(b_x - b_y)).
 
     kappa_i = q_i . k_i, sigma_i = k_i^T SQ k_i, c_i = sum_{u<i} gamma^(i-u) (q_u . k_i)^2,
     Ws = Wg without its diagonal. Kept triples touching the chunk, for a query t in it:
@@ -378,8 +398,8 @@ def _chunk_paper(q, k, v, state, gamma):
     """
     SK, SQ, P, F = state
     c, dt = q.shape[0], q.dtype
-    g, to_end = chunk_decays(c, gamma, dt)
-    Gam = decay_matrix(c, gamma, dtype=dt)
+    g, to_end, rho = chunk_decays(log_a, dt)
+    Gam = decay_matrix(log_a, dtype=dt)
     X = q @ k.T
     Wg = X * Gam
     Ws = Wg - np.diag(np.diag(Wg))
@@ -395,7 +415,6 @@ def _chunk_paper(q, k, v, state, gamma):
     out = (g ** 3)[:, None] * (q @ F) + g[:, None] * mixed + local
     # The chunk's own summary, decayed to its last token, then the combine of hla3_paper_combine.
     w2, w3 = to_end ** 2, to_end ** 3
-    rho = gamma ** c
     F_chunk = (k.T @ ((w3 * kappa)[:, None] * (Wg @ v) + (w3 * cdiag)[:, None] * v)
                + k.T @ Ws.T @ ((w3 * kappa)[:, None] * v))
     cross = SK @ (q.T @ ((w2 * kappa)[:, None] * v)) + k.T @ ((w2 * sigma)[:, None] * v) \
@@ -407,7 +426,7 @@ def _chunk_paper(q, k, v, state, gamma):
     return out, (SK, SQ, P, F)
 
 
-def hla3_chunked(Q, K, V, *, chunk_size: int = 64, gamma: float = 1.0, normalize: bool = False,
+def hla3_chunked(Q, K, V, *, chunk_size: int = 64, gamma=1.0, normalize: bool = False,
                  eps: float = 1e-6, variant: str = "masked") -> np.ndarray:
     """Third-order HLA by chunks: dense work inside a chunk, a carried state across chunks.
 
@@ -415,9 +434,11 @@ def hla3_chunked(Q, K, V, *, chunk_size: int = 64, gamma: float = 1.0, normalize
     O = Q F + ((Q S Q^T + X Wc^T) o L)(Q P + Wc V) (hla-math sec. 6).
     paper: state (S^K, S^Q, P, F); no d^3 map is needed when chunks run in order, because the
     earlier S^Q is known when a chunk is processed (the map only serves a fully parallel scan).
+    ``gamma``: a float in (0, 1] or an array (n,) of per-token factors; inside a chunk every
+    decay is exp of a running sum of log a_s <= 0 (never above 1, whatever the gates).
     Q, K (n, d); V (n, dv) -> (n, dv); any n.
     """
-    Q, K, V, gamma, normalize, eps = check_common(Q, K, V, gamma, normalize, eps)
+    Q, K, V, gates, normalize, eps = check_common(Q, K, V, gamma, normalize, eps)
     variant = check_variant(variant)
     C = check_chunk_size(chunk_size)
     (n, d), dv, dt = Q.shape, V.shape[1], Q.dtype
@@ -429,5 +450,6 @@ def hla3_chunked(Q, K, V, *, chunk_size: int = 64, gamma: float = 1.0, normalize
         step, state = _chunk_paper, (zdd, zdd, zdv, zdv)
     out = np.zeros((n, dv + 1), dt)
     for s in range(0, n, C):
-        out[s:s + C], state = step(Q[s:s + C], K[s:s + C], Vh[s:s + C], state, gamma)
+        out[s:s + C], state = step(Q[s:s + C], K[s:s + C], Vh[s:s + C], state,
+                                   gates.log_a[s:s + C])
     return read_out(out[:, :dv], out[:, dv], normalize, eps)

@@ -38,3 +38,11 @@ def pytest_configure(config):
 @pytest.fixture
 def device():
     return DEVICE
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Kernel outputs start as NaN (see helpers.poison_kernel_buffers)."""
+    from .helpers import poison_kernel_buffers
+
+    poison_kernel_buffers(monkeypatch)

@@ -1,16 +1,24 @@
-"""Shared helpers of the hla_fast tests: random inputs, float64 truth from hla_ref."""
+"""Shared helpers of the hla_fast tests: random inputs, float64 truth, poisoned outputs, and the
+list of operators the contract suite (test_contract.py) checks."""
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
+import hla_ref  # noqa: E402
+
+import hla_fast  # noqa: E402
+
 
 def rand_qkv(B, T, H, K, V, *, seed=0, scale=0.5, positive=False, dtype=None, device="cpu"):
     """Fresh random q, k: [B, T, H, K], v: [B, T, H, V] (never zeros).
 
-    positive=True draws q, k from (0, 1): the denominator of normalize then stays > 0.
-    """
+    positive=True draws q, k from (0, 1): the denominator of normalize then stays > 0."""
     g = torch.Generator().manual_seed(seed)
     if positive:
         q = torch.rand(B, T, H, K, generator=g) * scale
@@ -23,32 +31,46 @@ def rand_qkv(B, T, H, K, V, *, seed=0, scale=0.5, positive=False, dtype=None, de
     return [x.to(device=device, dtype=dtype) for x in (q, k, v)]
 
 
-def _per_head(op, q, k, v, gamma, normalize, eps):
+def rand_gates(B, T, H, *, seed=0, strength=0.3, device="cpu", dtype=torch.float32):
+    """Log-gates g [B, T, H] in [-strength, 0): factors exp(g) in (exp(-strength), 1]."""
+    gen = torch.Generator().manual_seed(seed + 7919)
+    return (-strength * torch.rand(B, T, H, generator=gen)).to(device=device, dtype=dtype)
+
+
+def decay_kwargs(kind, B, T, H, *, seed=0, device="cpu", strength=0.3):
+    """The decay arguments of one test case: kind "none", "gamma" or "g"."""
+    if kind == "none":
+        return {}
+    if kind == "gamma":
+        return {"gamma": 0.85}
+    return {"g": rand_gates(B, T, H, seed=seed, device=device, strength=strength)}
+
+
+def _per_head(op, q, k, v, gamma, g, normalize, eps):
     """Apply a single-head NumPy operator ``op(Q, K, V, gamma=, normalize=, eps=)`` in float64 to
-    every (batch, head) of q, k: [B, T, H, K], v: [B, T, H, V]. Returns [B, T, H, V] float64."""
+    every (batch, head); gates g [B, T, H] become per-token factors exp(g). Returns [B, T, H, V]."""
     B, T, H, _ = q.shape
     out = np.zeros((B, T, H, v.shape[-1]))
     qn, kn, vn = (x.detach().double().cpu().numpy() for x in (q, k, v))
+    an = None if g is None else np.exp(g.detach().double().cpu().numpy())
     for b in range(B):
         for h in range(H):
-            out[b, :, h] = op(qn[b, :, h], kn[b, :, h], vn[b, :, h],
-                              gamma=1.0 if gamma is None else gamma, normalize=normalize, eps=eps)
+            gam = an[b, :, h] if an is not None else (1.0 if gamma is None else gamma)
+            out[b, :, h] = op(qn[b, :, h], kn[b, :, h], vn[b, :, h], gamma=gam, normalize=normalize, eps=eps)
     return torch.from_numpy(out)
 
 
-def ref_hla2(q, k, v, gamma=None, normalize=False, eps=1e-6):
+def ref_hla2(q, k, v, gamma=None, normalize=False, eps=1e-6, g=None):
     """hla_ref.hla2_naive in float64, per batch and head. Returns [B, T, H, V] float64."""
-    import hla_ref
-
-    return _per_head(hla_ref.hla2_naive, q, k, v, gamma, normalize, eps)
+    return _per_head(hla_ref.hla2_naive, q, k, v, gamma, g, normalize, eps)
 
 
-def brute_hla2(q, k, v, gamma=None, normalize=False, eps=1e-6):
+def brute_hla2(q, k, v, gamma=None, normalize=False, eps=1e-6, g=None):
     """The index-sum definition of tests/ref/brute.py (float64, O(T^3) memory: small T only),
     per batch and head. Returns [B, T, H, V] float64."""
     from ref import brute  # tests/ is on sys.path: pytest puts it there for these packages
 
-    return _per_head(brute.hla2, q, k, v, gamma, normalize, eps)
+    return _per_head(brute.hla2, q, k, v, gamma, g, normalize, eps)
 
 
 def rel(a, b):
@@ -57,3 +79,64 @@ def rel(a, b):
     b = b.detach().double().cpu()
     assert torch.isfinite(a).all(), "non-finite values in the result"
     return float((a - b).norm() / b.norm())
+
+
+class _NaNTorch:
+    """torch, except that empty / empty_like return NaN-filled float tensors."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty_like(x, *a, **kw):
+        return torch.full_like(x, float("nan"), *a, **kw)
+
+    @staticmethod
+    def empty(*a, **kw):
+        out = torch.empty(*a, **kw)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+
+KERNEL_MODULES = ["hla_fast.ops.hla2.chunk", "hla_fast.ops.hla2.decode"]
+
+
+def poison_kernel_buffers(monkeypatch):
+    """Every buffer the launchers allocate starts as NaN, so an element a kernel forgets to write
+    fails the check (the ``poison`` fixture of conftest.py)."""
+    for name in KERNEL_MODULES:
+        monkeypatch.setattr(importlib.import_module(name), "torch", _NaNTorch())
+
+
+@dataclass(frozen=True)
+class Operator:
+    """One member of the contract suite."""
+
+    name: str
+    op: Callable            # op(q, k, v, *, gamma, g, normalize, eps, initial_state, output_final_state, chunk_size, backend)
+    step: Callable          # step(q, k, v, state, *, gamma, g, normalize, eps, backend)
+    State: type             # the state NamedTuple
+    state_shapes: Callable  # (B, H, K, V, normalize) -> {field: shape or None}
+    ref: Callable           # hla_ref form, per head (ref_hla2's signature)
+    brute: Callable         # index sums, per head
+
+
+OPERATORS = [
+    Operator("hla2", hla_fast.hla2, hla_fast.hla2_step, hla_fast.HLA2State,
+             lambda B, H, K, V, norm: {"S": (B, H, K, K), "W": (B, H, K, V), "z": (B, H, K) if norm else None},
+             ref_hla2, brute_hla2),
+]
+
+
+def rand_state(op, B, H, K, V, normalize, *, seed=0, scale=0.2, device="cpu", dtype=torch.float32):
+    """A random initial state of ``op`` (symmetric square parts, positive where normalizing)."""
+    gen = torch.Generator().manual_seed(seed + 104729)
+    parts = {}
+    for field, shape in op.state_shapes(B, H, K, V, normalize).items():
+        if shape is None:
+            parts[field] = None
+            continue
+        x = torch.rand(shape, generator=gen) if field == "z" else torch.randn(shape, generator=gen)
+        if len(shape) == 4 and shape[-1] == shape[-2] and field == "S":
+            x = 0.5 * (x + x.transpose(-1, -2))
+        parts[field] = (scale * x).to(device=device, dtype=dtype)
+    return op.State(**parts)

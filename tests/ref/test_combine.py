@@ -1,4 +1,8 @@
-"""Segment monoids (associativity, identity, meaning of the fields) and blelloch_scan."""
+"""Segment monoids (associativity, identity, meaning of the fields) and blelloch_scan.
+
+With per-token gates a segment's rho is the product of its tokens' factors, and token t's
+one-token segment is built with its own factor a_t; the combine operators are unchanged.
+"""
 
 import functools
 
@@ -8,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from . import brute
-from .helpers import PROPERTY, RTOL, fields, func, random_qkv, rel_err
+from .helpers import PROPERTY, RTOL, fields, func, random_gates, random_qkv, rel_err
 
 # name: (module, segment, identity, combine)
 MONOIDS = {
@@ -25,8 +29,10 @@ def monoid(name):
 
 
 def tokens(name, Q, K, V, gamma):
+    """One-token segments; ``gamma`` a float or per-token gates (token t gets its own a_t)."""
     seg, _, _ = monoid(name)
-    return [seg(Q[t], K[t], V[t], gamma) for t in range(Q.shape[0])]
+    gates = np.broadcast_to(np.asarray(gamma, dtype=np.float64), Q.shape[:1])
+    return [seg(Q[t], K[t], V[t], float(gates[t])) for t in range(Q.shape[0])]
 
 
 def fold(name, segs, d, dv):
@@ -49,8 +55,9 @@ def segment_differs(a, b, key):
 
 
 @st.composite
-def three_segments(draw):
-    """Three segments of 1..5 tokens each, by folding single tokens left to right."""
+def three_segments(draw, gated=False):
+    """Three segments of 1..5 tokens each, by folding single tokens left to right.
+    ``gated``: per-token gates random_gates(seed, n, low=gamma) instead of the float gamma."""
     lengths = [draw(st.integers(1, 5)) for _ in range(3)]
     return dict(
         lengths=lengths,
@@ -58,13 +65,21 @@ def three_segments(draw):
         dv=draw(st.integers(1, 4)),
         gamma=draw(st.one_of(st.just(1.0), st.floats(0.3, 1.0))),
         seed=draw(st.integers(0, 2**32 - 1)),
+        gated=gated,
     )
+
+
+def spec_gamma(spec):
+    n = sum(spec["lengths"])
+    if spec["gated"]:
+        return random_gates(spec["seed"], n, low=spec["gamma"])
+    return spec["gamma"]
 
 
 def build_three(name, spec):
     n = sum(spec["lengths"])
     Q, K, V = random_qkv(spec["seed"], n, spec["d"], spec["dv"])
-    segs = tokens(name, Q, K, V, spec["gamma"])
+    segs = tokens(name, Q, K, V, spec_gamma(spec))
     a, b = spec["lengths"][0], spec["lengths"][0] + spec["lengths"][1]
     return [fold(name, part, spec["d"], spec["dv"]) for part in (segs[:a], segs[a:b], segs[b:])]
 
@@ -80,6 +95,40 @@ def test_combine_is_associative(name, spec):
 
 @pytest.mark.parametrize("name", list(MONOIDS))
 @PROPERTY
+@given(spec=three_segments(gated=True))
+def test_combine_is_associative_with_gated_segments(name, spec):
+    """Segments whose tokens carry different gates (so rho_A, rho_B, rho_C are arbitrary
+    products, some possibly ~1e-12) still combine associatively."""
+    _, _, comb = monoid(name)
+    A, B, C = build_three(name, spec)
+    assert_same_segment(comb(comb(A, B), C), comb(A, comb(B, C)))
+
+
+@pytest.mark.parametrize("name", list(MONOIDS))
+@PROPERTY
+@given(spec=three_segments(gated=True))
+def test_gated_segments_combine_to_the_moments_of_the_whole(name, spec):
+    """A (B C) and (A B) C of gated segments both hold the moments of all their tokens, and each
+    segment's rho is the product of its own tokens' factors."""
+    _, _, comb = monoid(name)
+    A, B, C = build_three(name, spec)
+    n = sum(spec["lengths"])
+    Q, K, V = random_qkv(spec["seed"], n, spec["d"], spec["dv"])
+    a = spec_gamma(spec)
+    moments, keys = SEGMENT_MEANING[name]
+    want = moments(Q, K, V, a)
+    for whole in (comb(comb(A, B), C), comb(A, comb(B, C))):
+        got = fields(whole)
+        for key in keys:
+            assert rel_err(got[key], want[key]) < RTOL, key
+    start = 0
+    for seg, length in zip((A, B, C), spec["lengths"]):
+        assert rel_err(fields(seg)["rho"], np.prod(a[start:start + length])) < 1e-14
+        start += length
+
+
+@pytest.mark.parametrize("name", list(MONOIDS))
+@PROPERTY
 @given(spec=three_segments())
 def test_identity_is_two_sided(name, spec):
     _, ident, comb = monoid(name)
@@ -90,11 +139,12 @@ def test_identity_is_two_sided(name, spec):
     assert_same_segment(comb(e, e), e)
 
 
+@pytest.mark.parametrize("gated", [False, True], ids=["gamma=0.8", "gates"])
 @pytest.mark.parametrize("name", list(MONOIDS))
 @pytest.mark.parametrize("n", [1, 2, 5, 8, 13])
-def test_blelloch_scan_of_segments_equals_serial_fold(name, n):
+def test_blelloch_scan_of_segments_equals_serial_fold(name, n, gated):
     Q, K, V = random_qkv(100 + n, n, 3, 2)
-    segs = tokens(name, Q, K, V, 0.8)
+    segs = tokens(name, Q, K, V, random_gates(n, n, low=0.3) if gated else 0.8)
     _, ident, comb = monoid(name)
     prefixes = func("scan", "blelloch_scan")(segs, comb, ident(3, 2))
     assert len(prefixes) == n
@@ -112,7 +162,9 @@ SEGMENT_MEANING = {
 }
 
 
-@pytest.mark.parametrize("gamma", [1.0, 0.6])
+@pytest.mark.parametrize("gamma", [pytest.param(1.0, id="gamma=1"), pytest.param(0.6, id="gamma=0.6"),
+                                   pytest.param(np.array([0.5, 1.0, 0.8, 1e-12, 0.9, 0.7]),
+                                                id="gates")])
 @pytest.mark.parametrize("name", list(MONOIDS))
 def test_folded_segment_holds_the_moments(name, gamma):
     Q, K, V = random_qkv(7, 6, 3, 2)
@@ -121,6 +173,20 @@ def test_folded_segment_holds_the_moments(name, gamma):
     want = moments(Q, K, V, gamma)
     for key in keys:
         assert rel_err(got[key], want[key]) < RTOL, key
+
+
+@pytest.mark.parametrize("name", list(MONOIDS))
+def test_gated_middle_segment_holds_its_own_moments(name):
+    """Folding tokens 2..5 of a gated sequence gives the moments of those tokens with their
+    gates a[2:6] (the first of them, a_2, enters only rho: the decay across the segment)."""
+    Q, K, V = random_qkv(9, 8, 3, 2)
+    a = np.array([0.9, 0.5, 0.3, 1.0, 0.8, 0.6, 0.95, 0.7])
+    got = fields(fold(name, tokens(name, Q, K, V, a)[2:6], 3, 2))
+    moments, keys = SEGMENT_MEANING[name]
+    want = moments(Q[2:6], K[2:6], V[2:6], a[2:6])
+    for key in keys:
+        assert rel_err(got[key], want[key]) < RTOL, key
+    assert got["rho"] == pytest.approx(0.3 * 1.0 * 0.8 * 0.6, rel=1e-15)
 
 
 def test_hla3_segment_cross_moments_without_decay():

@@ -1,4 +1,5 @@
-"""Every fast form of every operator against the brute-force index sums."""
+"""Every fast form of every operator against the brute-force index sums, with a constant decay
+and with per-token gates."""
 
 import numpy as np
 import pytest
@@ -6,7 +7,9 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from . import brute
-from .helpers import PROPERTY, RTOL, Problem, fields, func, problems, random_qkv, rel_err
+from .helpers import (
+    PROPERTY, RTOL, Problem, fields, func, problems, random_gates, random_qkv, rel_err,
+)
 
 # (operator, module, function, fixed keyword arguments, takes chunk_size)
 FORMS = [
@@ -70,26 +73,62 @@ def test_form_matches_brute_force(form, p):
     assert rel_err(got, want) < RTOL
 
 
+@pytest.mark.parametrize("form", FORMS, ids=_form_id)
+@PROPERTY
+@given(p=problems(gates=("random", "closing")))
+@example(p=Problem(n=1, d=1, dv=1, gamma=0.5, normalize=False, eps=1e-6, chunk_size=1, seed=0,
+                   gates="random"))
+@example(p=Problem(n=1, d=3, dv=2, gamma=0.5, normalize=True, eps=1e-6, chunk_size=4, seed=1,
+                   gates="closing"))
+@example(p=Problem(n=7, d=2, dv=5, gamma=0.3, normalize=False, eps=1e-6, chunk_size=3, seed=2,
+                   gates="random"))
+@example(p=Problem(n=13, d=4, dv=1, gamma=0.05, normalize=True, eps=0.5, chunk_size=5, seed=3,
+                   gates="closing"))
+@example(p=Problem(n=33, d=5, dv=3, gamma=0.9, normalize=False, eps=1e-6, chunk_size=8, seed=4,
+                   gates="closing"))
+@example(p=Problem(n=40, d=6, dv=6, gamma=0.5, normalize=True, eps=1e-6, chunk_size=7, seed=5,
+                   gates="random"))
+def test_form_matches_brute_force_with_gates(form, p):
+    """Per-token gates a_t: weights exp(p b_t - sum b_x); every form against the brute force."""
+    Q, K, V = p.arrays()
+    gamma = p.gamma_arg()
+    assert np.shape(gamma) == (p.n,)
+    want = BRUTE[form[0]](Q, K, V, gamma=gamma, normalize=p.normalize, eps=p.eps)
+    got = run_form(form, Q, K, V, gamma=gamma, normalize=p.normalize, eps=p.eps,
+                   chunk_size=p.chunk_size)
+    assert got.shape == (p.n, p.dv)
+    assert got.dtype == np.float64
+    assert rel_err(got, want) < RTOL
+
+
 @pytest.mark.parametrize("masked", [True, False])
 @PROPERTY
-@given(p=problems(max_n=25), ridge=st.sampled_from([0.0, 1e-3, 0.5, 2.0]))
+@given(p=problems(max_n=25, gates=("float", "random", "closing")),
+       ridge=st.sampled_from([0.0, 1e-3, 0.5, 2.0]))
 def test_hla2_stream_ridge_matches_brute_force(masked, p, ridge):
     Q, K, V = p.arrays()
-    want = brute.hla2(Q, K, V, gamma=p.gamma, normalize=p.normalize, eps=p.eps, masked=masked,
+    gamma = p.gamma_arg()
+    want = brute.hla2(Q, K, V, gamma=gamma, normalize=p.normalize, eps=p.eps, masked=masked,
                       ridge=ridge)
-    got = func("second_order", "hla2_stream")(Q, K, V, gamma=p.gamma, normalize=p.normalize,
+    got = func("second_order", "hla2_stream")(Q, K, V, gamma=gamma, normalize=p.normalize,
                                                eps=p.eps, masked=masked, ridge=ridge)
     assert rel_err(got, want) < RTOL
 
 
+# A fixed set of gates for the deterministic tests: uneven, one almost closed (1e-12 at 3).
+GATES12 = np.array([0.9, 0.5, 1.0, 1e-12, 0.8, 0.95, 0.3, 1.0, 0.7, 0.99, 0.6, 0.85])
+GAMMAS_DET = [pytest.param(0.8, id="gamma=0.8"), pytest.param(GATES12, id="gates")]
+
+
+@pytest.mark.parametrize("gamma", GAMMAS_DET)
 @pytest.mark.parametrize("form", FORMS, ids=_form_id)
-def test_form_is_causal(form):
+def test_form_is_causal(form, gamma):
     """Changing tokens after t leaves rows <= t unchanged."""
     Q, K, V = random_qkv(11, 12, 3, 2)
     Q2, K2, V2 = random_qkv(12, 12, 3, 2)
     t = 6
     Q2[: t + 1], K2[: t + 1], V2[: t + 1] = Q[: t + 1], K[: t + 1], V[: t + 1]
-    kw = dict(gamma=0.8, normalize=False, eps=1e-6, chunk_size=4)
+    kw = dict(gamma=gamma, normalize=False, eps=1e-6, chunk_size=4)
     a = run_form(form, Q, K, V, **kw)
     b = run_form(form, Q2, K2, V2, **kw)
     assert rel_err(b[: t + 1], a[: t + 1]) < RTOL
@@ -112,12 +151,14 @@ def _signed_well_conditioned(op, n=4, d=3, dv=2, gamma=0.8, margin=0.1):
     raise AssertionError("no well-conditioned signed example found")
 
 
+@pytest.mark.parametrize("gamma", [pytest.param(0.8, id="gamma=0.8"),
+                                   pytest.param(np.array([0.9, 0.4, 1.0, 0.7]), id="gates")])
 @pytest.mark.parametrize("form", FORMS, ids=_form_id)
-def test_normalized_form_with_negative_denominator(form):
+def test_normalized_form_with_negative_denominator(form, gamma):
     """den + eps is used as is: a negative den is not clipped or replaced by |den|."""
-    Q, K, V = _signed_well_conditioned(form[0])
-    want = BRUTE[form[0]](Q, K, V, gamma=0.8, normalize=True, eps=1e-6)
-    got = run_form(form, Q, K, V, gamma=0.8, normalize=True, eps=1e-6, chunk_size=3)
+    Q, K, V = _signed_well_conditioned(form[0], gamma=gamma)
+    want = BRUTE[form[0]](Q, K, V, gamma=gamma, normalize=True, eps=1e-6)
+    got = run_form(form, Q, K, V, gamma=gamma, normalize=True, eps=1e-6, chunk_size=3)
     assert rel_err(got, want) < RTOL
 
 
@@ -157,7 +198,11 @@ STATE_FIELDS = {
 }
 
 
-@pytest.mark.parametrize("gamma", [1.0, 0.7])
+GAMMAS7 = [pytest.param(1.0, id="gamma=1"), pytest.param(0.7, id="gamma=0.7"),
+           pytest.param(np.array([0.6, 1.0, 0.9, 1e-12, 0.5, 0.8, 0.95]), id="gates")]
+
+
+@pytest.mark.parametrize("gamma", GAMMAS7)
 @pytest.mark.parametrize("key", list(STATE_FIELDS), ids=lambda k: "-".join([k[1]] + [v for _, v in k[2]]))
 def test_stream_state_holds_the_moments(key, gamma):
     module, name, kw = key
@@ -173,7 +218,9 @@ def test_stream_state_holds_the_moments(key, gamma):
         assert rel_err(got[field], want[moment]) < RTOL, field
 
 
-@pytest.mark.parametrize("gamma", [1.0, 0.7])
+@pytest.mark.parametrize("gamma", [pytest.param(1.0, id="gamma=1"),
+                                   pytest.param(0.7, id="gamma=0.7"),
+                                   pytest.param(random_gates(22, 9, low=0.3), id="gates")])
 def test_hla2_compact_state(gamma):
     """compact=True carries (S, W, z) with W = S C - G and z = S m - h."""
     Q, K, V = random_qkv(22, 9, 4, 2)
@@ -203,13 +250,14 @@ WEIGHTS = [
 
 @pytest.mark.parametrize("op,module,name,kw", WEIGHTS, ids=[w[0] for w in WEIGHTS])
 @PROPERTY
-@given(p=problems(max_n=20))
+@given(p=problems(max_n=20, gates=("float", "random", "closing")))
 def test_weights_times_v_matches_brute_force(op, module, name, kw, p):
     Q, K, V = p.arrays()
-    T = func(module, name)(Q, K, gamma=p.gamma, **kw)
+    gamma = p.gamma_arg()
+    T = func(module, name)(Q, K, gamma=gamma, **kw)
     assert T.shape == (p.n, p.n)
     assert np.all(np.triu(T, 1) == 0)  # causal
-    assert rel_err(T @ V, BRUTE[op](Q, K, V, gamma=p.gamma)) < RTOL
+    assert rel_err(T @ V, BRUTE[op](Q, K, V, gamma=gamma)) < RTOL
 
 
 def test_largest_index_twice():
@@ -221,7 +269,9 @@ def test_largest_index_twice():
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 64])
-@pytest.mark.parametrize("gamma", [1.0, 0.7])
+@pytest.mark.parametrize("gamma", [pytest.param(1.0, id="gamma=1"),
+                                   pytest.param(0.7, id="gamma=0.7"),
+                                   pytest.param(random_gates(23, 8, low=0.2), id="gates")])
 def test_chunked_states_hold_the_moments(gamma, chunk_size):
     """hla2_chunked carries the compact (S, W, z); ahla_chunked carries (P, E, p, e)."""
     Q, K, V = random_qkv(23, 8, 3, 2)

@@ -1,5 +1,8 @@
 """Input handling of every public function: dtypes, empty input, and refused arguments."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -30,6 +33,9 @@ FUNCTIONS = [
 ]
 IDS = [f[1] for f in FUNCTIONS]
 WITH_GAMMA = [f for f in FUNCTIONS if f[2]]
+# The operator forms take per-token gates; hla_ref.published (the paper as printed) does not.
+WITH_GATES = [f for f in WITH_GAMMA if f[0] != "published"]
+PUBLISHED = [f for f in WITH_GAMMA if f[0] == "published"]
 WITH_CHUNK = [f for f in FUNCTIONS if f[3]]
 WITH_VARIANT = [f for f in FUNCTIONS if f[4]]
 ALL_IDS = lambda fs: [f[1] for f in fs]  # noqa: E731
@@ -179,11 +185,161 @@ def test_gamma_out_of_range_is_refused(entry, gamma):
         call(entry, *good(), gamma=gamma)
 
 
-@pytest.mark.parametrize("gamma", ["0.5", None, [0.5]])
+@pytest.mark.parametrize("gamma", ["0.5", None, True, b"0.5"])
 @pytest.mark.parametrize("entry", WITH_GAMMA, ids=ALL_IDS(WITH_GAMMA))
 def test_gamma_of_wrong_type_is_refused(entry, gamma):
     with pytest.raises(TypeError, match="gamma"):
         call(entry, *good(), gamma=gamma)
+
+
+# --- per-token gates: gamma as an array (n,) ----------------------------------------------------
+
+@pytest.mark.parametrize("gamma", [[0.5] * 5, (0.5,) * 5, np.full(5, 0.5), [0.5], np.full(4, 0.5)])
+@pytest.mark.parametrize("entry", PUBLISHED, ids=ALL_IDS(PUBLISHED))
+def test_published_formulas_refuse_gate_arrays(entry, gamma):
+    """The paper's formulas are printed for one constant gamma: an array is refused by name."""
+    with pytest.raises(TypeError, match=r"gamma.*per-token"):
+        call(entry, *good(), gamma=gamma)
+
+
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda: np.full(5, 0.5), id="float64"),
+    pytest.param(lambda: np.full(5, 0.5, dtype=np.float32), id="float32"),
+    pytest.param(lambda: np.full(5, 0.5, dtype=np.float16), id="float16"),
+    pytest.param(lambda: [0.5] * 5, id="list"),
+    pytest.param(lambda: (0.5,) * 5, id="tuple"),
+])
+@pytest.mark.parametrize("entry", WITH_GATES, ids=ALL_IDS(WITH_GATES))
+def test_gate_arrays_of_any_float_kind_are_accepted(entry, make):
+    assert np.array_equal(call(entry, *good(), gamma=make()), call(entry, *good(), gamma=0.5))
+
+
+@pytest.mark.parametrize("gamma", [
+    pytest.param(np.ones(5, dtype=np.int64), id="int64"),
+    pytest.param(np.ones(5, dtype=np.int32), id="int32"),
+    pytest.param(np.ones(5, dtype=bool), id="bool"),
+    pytest.param(np.full(5, 0.5, dtype=object), id="object"),
+    pytest.param(np.full(5, 0.5, dtype=np.complex128), id="complex"),
+    pytest.param([1] * 5, id="list-of-ints"),
+    pytest.param([True] * 5, id="list-of-bools"),
+    pytest.param(["0.5"] * 5, id="list-of-str"),
+    pytest.param([0.5, 0.5, None, 0.5, 0.5], id="list-with-None"),
+])
+@pytest.mark.parametrize("entry", WITH_GATES, ids=ALL_IDS(WITH_GATES))
+def test_gate_arrays_of_non_float_dtype_are_refused(entry, gamma):
+    with pytest.raises(TypeError, match="gamma"):
+        call(entry, *good(), gamma=gamma)
+
+
+@pytest.mark.parametrize("shape", [(4,), (6,), (0,), (5, 1), (1, 5), ()])
+@pytest.mark.parametrize("entry", WITH_GATES, ids=ALL_IDS(WITH_GATES))
+def test_gate_arrays_of_wrong_shape_are_refused(entry, shape):
+    """Exactly one factor per token (n = 5 here): no broadcasting, and the message gives the
+    expected shape with the actual n."""
+    with pytest.raises(ValueError, match=r"gamma.*\(n,\) = \(5,\).*got shape"):
+        call(entry, *good(), gamma=np.full(shape, 0.5))
+
+
+@pytest.mark.parametrize("value", [0.0, -0.5, 1.0 + 1e-12, 2.0, np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("entry", WITH_GATES, ids=ALL_IDS(WITH_GATES))
+def test_gate_values_outside_the_unit_interval_are_refused(entry, value):
+    gamma = np.full(5, 0.5)
+    gamma[3] = value
+    with pytest.raises(ValueError, match=r"gamma.*gamma\[3\]"):
+        call(entry, *good(), gamma=gamma)
+
+
+@pytest.mark.parametrize("gamma", [[[0.5, 0.5], [0.5]], [0.5, [0.5, 0.5], 0.5, 0.5, 0.5]])
+@pytest.mark.parametrize("entry", WITH_GATES, ids=ALL_IDS(WITH_GATES))
+def test_ragged_gate_lists_are_refused(entry, gamma):
+    with pytest.raises(ValueError, match="gamma.*ragged"):
+        call(entry, *good(), gamma=gamma)
+
+
+@pytest.mark.parametrize("entry", WITH_GATES, ids=ALL_IDS(WITH_GATES))
+def test_gate_boundary_values_are_accepted(entry):
+    """a_t = 1 exactly, 1e-300 and the smallest positive float64 (log -744.4) are valid."""
+    Q, K, V = good()
+    gamma = np.array([1.0, 1e-300, np.nextafter(0.0, 1.0), 1.0, 0.5])
+    for kw in (dict(gamma=gamma), dict(gamma=gamma, normalize=True, eps=0.0)):
+        assert np.all(np.isfinite(call(entry, np.abs(Q) + 0.1, np.abs(K) + 0.1, V, **kw)))
+
+
+@pytest.mark.parametrize("entry", WITH_GATES, ids=ALL_IDS(WITH_GATES))
+def test_gates_for_the_empty_sequence(entry):
+    Q, K, V = good(n=0)
+    assert call(entry, Q, K, V, gamma=np.ones(0)).shape == (0, 2)
+    assert call(entry, Q, K, V, gamma=[]).shape == (0, 2)
+    with pytest.raises(ValueError, match=r"gamma.*\(0,\)"):
+        call(entry, Q, K, V, gamma=np.ones(1))
+
+
+def test_gate_arrays_are_not_modified():
+    gamma = np.array([0.5, 1e-300, 1.0, 0.9, 0.7])
+    copy = gamma.copy()
+    for entry in WITH_GATES:
+        call(entry, *good(), gamma=gamma)
+    assert np.array_equal(gamma, copy)
+
+
+# --- torch tensors and ragged lists are refused before NumPy sees them -----------------------
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+def _tensors(torch, x):
+    t = torch.from_numpy(np.ascontiguousarray(x))
+    return {"float64": t, "bfloat16": t.to(torch.bfloat16),
+            "requires_grad": t.clone().requires_grad_(True)}
+
+
+@pytest.mark.parametrize("kind", ["float64", "bfloat16", "requires_grad"])
+@pytest.mark.parametrize("which", ["Q", "K", "V"])
+@pytest.mark.parametrize("entry", FUNCTIONS, ids=IDS)
+def test_torch_tensors_are_refused_by_name(entry, which, kind):
+    torch = _torch()
+    arrays = good()
+    bad = _tensors(torch, arrays["QKV".index(which)])[kind]
+    with pytest.raises(TypeError, match=rf"\b{which}\b.*torch.*NumPy.*\.numpy\(\)"):
+        call(entry, *_replace(arrays, which, bad))
+
+
+@pytest.mark.parametrize("kind", ["float64", "bfloat16", "requires_grad"])
+@pytest.mark.parametrize("entry", WITH_GAMMA, ids=ALL_IDS(WITH_GAMMA))
+def test_torch_gamma_is_refused_by_name(entry, kind):
+    torch = _torch()
+    for x in (np.full(5, 0.5), np.array(0.5)):     # gates, and a 0-d "scalar" tensor
+        with pytest.raises(TypeError, match="gamma.*torch"):
+            call(entry, *good(), gamma=_tensors(torch, x)[kind])
+
+
+@pytest.mark.parametrize("entry", WITH_GAMMA, ids=ALL_IDS(WITH_GAMMA))
+def test_torch_eps_is_refused_by_name(entry):
+    torch = _torch()
+    with pytest.raises(TypeError, match="eps.*torch"):
+        call(entry, *good(), eps=torch.tensor(1e-6), normalize=True)
+
+
+@pytest.mark.parametrize("which", ["Q", "K", "V"])
+@pytest.mark.parametrize("entry", FUNCTIONS, ids=IDS)
+def test_ragged_lists_are_refused_by_name(entry, which):
+    arrays = good()
+    ragged = [list(row) for row in arrays["QKV".index(which)]]
+    ragged[2] = ragged[2][:-1]
+    with pytest.raises(ValueError, match=rf"\b{which}\b.*ragged"):
+        call(entry, *_replace(arrays, which, ragged))
+
+
+@pytest.mark.parametrize("entry", FUNCTIONS, ids=IDS)
+def test_nested_lists_of_floats_are_accepted(entry):
+    Q, K, V = good()
+    assert np.array_equal(call(entry, Q.tolist(), K.tolist(), V.tolist()), call(entry, Q, K, V))
+
+
+def test_hla_ref_does_not_import_torch():
+    code = "import sys, hla_ref; assert 'torch' not in sys.modules, 'hla_ref imported torch'"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 @pytest.mark.parametrize("eps", [-1e-6, np.nan])
@@ -251,7 +407,16 @@ def test_weights_refuse_bad_input(module, name, kw):
         fn(Q, K.astype(int), **kw)
     with pytest.raises(ValueError, match="gamma"):
         fn(Q, K, gamma=0.0, **kw)
+    with pytest.raises(ValueError, match=r"gamma.*\(5,\)"):
+        fn(Q, K, gamma=np.full(4, 0.5), **kw)
+    with pytest.raises(ValueError, match=r"gamma.*gamma\[1\]"):
+        fn(Q, K, gamma=np.array([0.5, 0.0, 0.5, 0.5, 0.5]), **kw)
+    with pytest.raises(TypeError, match="gamma"):
+        fn(Q, K, gamma=np.ones(5, dtype=int), **kw)
+    with pytest.raises(ValueError, match=r"\bQ\b.*ragged"):
+        fn([[1.0, 2.0], [3.0]], K, **kw)
     assert fn(Q[:0], K[:0], **kw).shape == (0, 0)
+    assert fn(Q[:0], K[:0], gamma=np.ones(0), **kw).shape == (0, 0)
 
 
 SEGMENTS = [("second_order", "hla2_segment"), ("asymmetric", "ahla_segment"),
@@ -271,3 +436,22 @@ def test_segment_builders_refuse_bad_input(module, name):
         fn(q.astype(int), k, v, 0.5)
     with pytest.raises(ValueError):
         fn(np.array([1.0, np.nan, 0.0]), k, v, 0.5)
+    # a one-token segment takes that token's own factor: a float, not an array
+    for gamma in (np.full(1, 0.5), [0.5], np.full(3, 0.5)):
+        with pytest.raises(TypeError, match="gamma"):
+            fn(q, k, v, gamma)
+    with pytest.raises(ValueError, match=r"\bq\b.*ragged"):
+        fn([1.0, [2.0, 3.0], 4.0], k, v, 0.5)
+
+
+@pytest.mark.parametrize("module,name", SEGMENTS)
+def test_segment_builders_refuse_torch_tensors_by_name(module, name):
+    torch = _torch()
+    fn = func(module, name)
+    q, k, v = np.ones(3), np.ones(3), np.ones(2)
+    for which, args in (("q", (torch.ones(3), k, v)), ("k", (q, torch.ones(3), v)),
+                        ("v", (q, k, torch.ones(2)))):
+        with pytest.raises(TypeError, match=rf"\b{which}\b.*torch"):
+            fn(*args, 0.5)
+    with pytest.raises(TypeError, match="gamma"):
+        fn(q, k, v, torch.tensor(0.5))

@@ -1,0 +1,105 @@
+"""Time the first hla_fast.hla2 forward + backward of a fresh process (Triton compile included).
+
+Run by ``bench_hla2.py`` (section ``first_call``) once per variant, in a fresh interpreter with
+``TRITON_CACHE_DIR`` pointing at an empty directory, so every kernel the call needs is compiled
+inside the timed call. Prints one line ``FIRST_CALL_JSON {...}`` with the seconds of:
+
+    import_s        importing torch and hla_fast (not part of the first call)
+    fwd_s           the first hla2() call with inputs that require grad (compiles the forward)
+    bwd_s           the first o.backward(do) (compiles the backward)
+    fwdbwd_s        fwd_s + bwd_s: the first training call
+    warm_fwdbwd_s   the same fwd + bwd again (kernels cached in memory): what is left is not compile
+
+The inputs are created, and a torch op run on them, before the clock starts, so CUDA context
+creation is not counted. On a machine without CUDA it runs the kernels under the Triton interpreter
+(TRITON_INTERPRET=1, set before the import), where nothing is compiled: only the plumbing is tested.
+
+    python benchmarks/first_call.py --dtype bf16 --dim 64 --flag g
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+T_START = time.perf_counter()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    ap.add_argument("--dim", type=int, default=64, help="K = V")
+    ap.add_argument("--flag", choices=("gamma", "g", "normalize"), default="gamma")
+    ap.add_argument("--B", type=int, default=4)
+    ap.add_argument("--T", type=int, default=2048)
+    ap.add_argument("--H", type=int, default=16)
+    args = ap.parse_args()
+    out = {"dtype": args.dtype, "K": args.dim, "V": args.dim, "flag": args.flag, "B": args.B, "T": args.T,
+           "H": args.H, "pid": os.getpid(), "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"),
+           "interpret": os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")}
+    t0 = time.perf_counter()
+    import torch
+
+    import hla_fast
+
+    out["import_s"] = time.perf_counter() - t0
+    cuda = torch.cuda.is_available()
+    if not cuda and not out["interpret"]:
+        raise SystemExit("no CUDA device: set TRITON_INTERPRET=1 to run the kernels on the CPU")
+    dev = torch.device("cuda" if cuda else "cpu")
+    out["device"] = torch.cuda.get_device_name(0) if cuda else "cpu (Triton interpreter)"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    dt = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    gen = torch.Generator(device=dev).manual_seed(0)
+    B, T, H, D = args.B, args.T, args.H, args.dim
+    q = torch.randn(B, T, H, D, device=dev, generator=gen) * 0.3
+    k = torch.randn(B, T, H, D, device=dev, generator=gen) * 0.3
+    if args.flag == "normalize":  # positive features: the denominator stays positive
+        q, k = q.abs(), k.abs()
+    q, k = q.to(dt), k.to(dt)
+    v = torch.randn(B, T, H, D, device=dev, generator=gen).to(dt)
+    do = torch.randn(B, T, H, D, device=dev, generator=gen).to(dt)
+    g = -0.001 * torch.rand(B, T, H, device=dev, generator=gen)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v, g)]
+    float((leaves[0].float().sum() + leaves[3].sum()).item())  # a torch op on the device first
+    sync()
+
+    def call():
+        ql, kl, vl, gl = leaves
+        if args.flag == "g":
+            return hla_fast.hla2(ql, kl, vl, g=gl, backend="triton")[0]
+        return hla_fast.hla2(ql, kl, vl, gamma=0.999, normalize=args.flag == "normalize", backend="triton")[0]
+
+    t0 = time.perf_counter()
+    o = call()
+    sync()
+    t1 = time.perf_counter()
+    o.backward(do)
+    sync()
+    t2 = time.perf_counter()
+    out["fwd_s"], out["bwd_s"], out["fwdbwd_s"] = t1 - t0, t2 - t1, t2 - t0
+    out["finite"] = bool(torch.isfinite(o.float()).all().item())
+    for x in leaves:
+        x.grad = None
+    t0 = time.perf_counter()
+    call().backward(do)
+    sync()
+    out["warm_fwdbwd_s"] = time.perf_counter() - t0
+    cache = out["triton_cache_dir"]
+    if cache and os.path.isdir(cache):  # kernels compiled into the fresh cache by this process
+        out["cubins"] = sum(f.endswith(".cubin") for _, _, fs in os.walk(cache) for f in fs)
+    out["process_s"] = time.perf_counter() - T_START
+    print("FIRST_CALL_JSON " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

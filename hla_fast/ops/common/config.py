@@ -1,0 +1,72 @@
+"""The kernel configuration: one immutable value chosen once per call.
+
+An operator's rule (e.g. ``hla_fast.ops.hla2.chunk.hla2_config``) picks a :class:`ChunkConfig` from
+the shapes, dtype and device, citing the measurement behind each choice; a caller may pass one
+explicitly instead (tests and benchmarks compare layouts that way). The autograd Function keeps it
+on its context, so the backward runs with the configuration the forward was given.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+_CHUNKS = (16, 32, 64, 128)
+_WARPS = (1, 2, 4, 8, 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkConfig:
+    """How the chunked kernels of one call are laid out. The result does not depend on it.
+
+    fwd_chunk, bwd_chunk: rows per chunk in the forward and the backward (16, 32, 64 or 128).
+    fwd_segments, bwd_segments: how many pieces of the sequence are walked in parallel (their
+        summaries folded into each piece's start state first); 1 walks the whole sequence.
+    fwd_warps, bwd_warps: warps per program.
+    fwd_block_v: value columns per forward program (a power of two >= 16).
+    grad_parts: launches of the per-chunk gradient kernel, each a mask of the gradients it
+        stores (1 dq, 2 dk, 4 dv); together they must cover each exactly once.
+    save_states: a forward that will be differentiated keeps its chunk-start states for the
+        backward (memory held between the passes) instead of the backward recomputing them.
+    bf16_snapshots: per-chunk snapshots the backward reads only as dot operands are stored in
+        bf16 for bf16 inputs.
+    """
+
+    fwd_chunk: int = 64
+    bwd_chunk: int = 64
+    fwd_segments: int = 1
+    bwd_segments: int = 1
+    fwd_warps: int = 4
+    bwd_warps: int = 4
+    fwd_block_v: int = 64
+    grad_parts: tuple = (1, 6)
+    save_states: bool = True
+    bf16_snapshots: bool = True
+
+    def __post_init__(self):
+        for name in ("fwd_chunk", "bwd_chunk"):
+            x = getattr(self, name)
+            if isinstance(x, bool) or x not in _CHUNKS:
+                raise ValueError(f"config.{name} must be one of {_CHUNKS}, got {x!r}")
+        for name in ("fwd_segments", "bwd_segments"):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+                raise ValueError(f"config.{name} must be an int >= 1, got {x!r}")
+        for name in ("fwd_warps", "bwd_warps"):
+            x = getattr(self, name)
+            if isinstance(x, bool) or x not in _WARPS:
+                raise ValueError(f"config.{name} must be one of {_WARPS}, got {x!r}")
+        bv = self.fwd_block_v
+        if isinstance(bv, bool) or not isinstance(bv, int) or bv < 16 or bv & (bv - 1):
+            raise ValueError(f"config.fwd_block_v must be a power of two >= 16, got {bv!r}")
+        parts = self.grad_parts
+        if not isinstance(parts, tuple) or not parts or any(isinstance(m, bool) or not isinstance(m, int)
+                                                            or not 1 <= m <= 7 for m in parts):
+            raise ValueError(f"config.grad_parts must be a tuple of masks in 1..7, got {parts!r}")
+        if sorted(b for m in parts for b in (1, 2, 4) if m & b) != [1, 2, 4]:
+            raise ValueError(f"config.grad_parts must cover dq (1), dk (2) and dv (4) once each, got {parts!r}")
+        for name in ("save_states", "bf16_snapshots"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"config.{name} must be True or False, got {getattr(self, name)!r}")
+
+    def replace(self, **changes) -> "ChunkConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)

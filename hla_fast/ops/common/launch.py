@@ -1,0 +1,89 @@
+"""Host-side launch arithmetic shared by every operator: block sizes, grid splits, occupancy.
+
+Nothing here touches a kernel; it turns shapes and a device into the integers a launch needs.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive ints. (``triton.cdiv`` is a jit function: calling it from Python
+    goes through the JIT's dispatch and costs microseconds per call on the host.)"""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1), without the JIT dispatch of ``triton.next_power_of_2``."""
+    return 1 << (n - 1).bit_length()
+
+
+def pow2_block(n: int, lo: int = 16) -> int:
+    """Tile width for n features: a power of two, at least ``lo`` (``tl.dot`` needs 16)."""
+    return max(lo, next_pow2(n))
+
+
+def interpreter_on() -> bool:
+    """True when Triton runs kernels on the CPU (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def min_value_block(device: torch.device) -> int:
+    """Narrowest value block on ``device``: 64 on CUDA (a 32-wide value block hit an illegal
+    memory address on an H200 with Triton 3.6, see hla_fast/README.md), 16 under the interpreter."""
+    return 64 if device.type == "cuda" else 16
+
+
+def bf16_dots(dtype: torch.dtype) -> bool:
+    """Whether the dots take bf16 operands: for bf16 inputs, except under the interpreter (whose
+    bf16 dot is unreliable, so its tiles are widened to fp32). fp16 inputs are widened to fp32 in
+    the kernels: an fp16 operand cannot hold a growing state."""
+    return dtype == torch.bfloat16 and not interpreter_on()
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision: the tensor cores' bf16 path for half inputs; for fp32 inputs
+    ``tf32x3`` on a GPU (three tf32 products, error at fp32's level, compiled as tensor-core code)
+    and exact ``ieee`` products under the interpreter."""
+    if dtype != torch.float32:
+        return "tf32"
+    return "ieee" if interpreter_on() else "tf32x3"
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (looked up once per device)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count(idx)
+
+
+def one_wave_segments(n_programs: int, n_chunks: int, device: torch.device, per_sm: int,
+                      min_chunks: int) -> int:
+    """Most segments that keep ``n_programs * segments`` within one wave of ``per_sm`` programs a
+    multiprocessor, each at least ``min_chunks`` chunks long; 1 off CUDA. (A partial second wave
+    costs a whole program's length.)"""
+    if device.type != "cuda":
+        return 1
+    return max(1, min((per_sm * sm_count(device)) // n_programs, n_chunks // min_chunks))
+
+
+def even_blocks(n: int, width: int):
+    """Bounds (start, stop) cutting range(n) into the fewest blocks at most ``width`` long, as even
+    as possible."""
+    parts = cdiv(n, width)
+    edges = [round(i * n / parts) for i in range(parts + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def split_segments(n_chunks: int, segments: int):
+    """(chunks per segment, segments) for ``segments`` asked, with no empty segment."""
+    segments = max(1, min(int(segments), n_chunks))
+    per = cdiv(n_chunks, segments)
+    return per, cdiv(n_chunks, per)

@@ -1,0 +1,143 @@
+"""``@triton.jit`` tile helpers shared by every operator's kernels.
+
+Layout: sequence tensors are flash-linear-attention's ``[B, T, H, D]`` (contiguous); a kernel
+offsets a head's base pointer once and then reads a chunk's rows ``t`` with token stride ``H * D``.
+States are fp32 ``[.., D1, D2]`` row-major matrices. Every helper masks out-of-range rows and
+features with 0, so a tile padded to a power of two holds zeros where no data is.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def cast(x, IS_BF16: tl.constexpr):
+    """Operand dtype of the tensor-core dots: bf16 for bf16 inputs, else fp32."""
+    if IS_BF16:
+        return x.to(tl.bfloat16)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def dot(a, b, IS_BF16: tl.constexpr, PREC: tl.constexpr):
+    """a @ b with fp32 accumulation: both operands cast to the dot dtype, ``PREC`` the input
+    precision (``dot_precision`` in launch.py)."""
+    return tl.dot(cast(a, IS_BF16), cast(b, IS_BF16), input_precision=PREC)
+
+
+@triton.jit
+def load_rows(base, t, mt, rc, mc, stride, IS_BF16: tl.constexpr):
+    """Tile [BT, BC] of a [B, T, H, C] tensor: rows t (token stride ``stride``), features rc."""
+    x = tl.load(base + t[:, None] * stride + rc[None, :], mask=mt[:, None] & mc[None, :], other=0.0)
+    return cast(x, IS_BF16)
+
+
+@triton.jit
+def load_cols(base, t, mt, rc, mc, stride, IS_BF16: tl.constexpr):
+    """The same tile transposed, [BC, BT], read with a strided load."""
+    x = tl.load(base + t[None, :] * stride + rc[:, None], mask=mc[:, None] & mt[None, :], other=0.0)
+    return cast(x, IS_BF16)
+
+
+@triton.jit
+def load_mat(base, ri, mi, rj, mj, stride):
+    """fp32 tile [BI, BJ] of a matrix: element (i, j) at base + i * stride + j."""
+    return tl.load(base + ri[:, None] * stride + rj[None, :], mask=mi[:, None] & mj[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def load_mat_t(base, ri, mi, rj, mj, stride):
+    """The transpose of ``load_mat(base, rj, mj, ri, mi, stride)``: [BI, BJ] with (i, j) = M[j, i]."""
+    return tl.load(base + rj[None, :] * stride + ri[:, None], mask=mi[:, None] & mj[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_mat(base, x, ri, mi, rj, mj, stride):
+    """Store tile x [BI, BJ] at base + i * stride + j (cast to the buffer's dtype)."""
+    tl.store(base + ri[:, None] * stride + rj[None, :], x.to(base.dtype.element_ty), mask=mi[:, None] & mj[None, :])
+
+
+@triton.jit
+def load_vec(base, ri, mi):
+    """fp32 vector [BI] at base + i."""
+    return tl.load(base + ri, mask=mi, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def mat_or_zeros(base, off, ri, mi, rj, mj, stride, BI: tl.constexpr, BJ: tl.constexpr, LOAD: tl.constexpr):
+    """``load_mat(base + off, ..)`` when LOAD, else a zero fp32 tile [BI, BJ] (an absent state:
+    ``base`` may then be None, so the offset is added only here)."""
+    if LOAD:
+        x = load_mat(base + off, ri, mi, rj, mj, stride)
+    else:
+        x = tl.zeros([BI, BJ], dtype=tl.float32)
+    return x
+
+
+@triton.jit
+def vec_or_zeros(base, off, ri, mi, BI: tl.constexpr, LOAD: tl.constexpr):
+    """``load_vec(base + off, ..)`` when LOAD, else a zero fp32 vector [BI]."""
+    if LOAD:
+        x = load_vec(base + off, ri, mi)
+    else:
+        x = tl.zeros([BI], dtype=tl.float32)
+    return x
+
+
+# ============================================================================ decay and gate factors
+# (the conventions are in gates.py)
+
+
+@triton.jit
+def chunk_beta(g, g_off, log_gamma, t, mt, H: tl.constexpr, BT: tl.constexpr,
+               HAS_G: tl.constexpr, HAS_DECAY: tl.constexpr):
+    """beta [BT] (fp32) of the chunk whose token indices are ``t`` (valid where ``mt``).
+
+    HAS_G: the cumulative sum of the log-gates g [B, T, H] of one head (``g_off`` its first
+    element, token stride H); else a constant decay, beta_r = (r + 1) log(gamma) on valid rows.
+    Without decay beta is 0. (``g`` is None unless HAS_G: only the taken branch is compiled.)"""
+    if HAS_G:
+        b_g = tl.load(g + g_off + t * H, mask=mt, other=0.0).to(tl.float32)  # [BT], 0 past T
+        beta = tl.cumsum(b_g, axis=0)
+    elif HAS_DECAY:
+        # valid rows r -> (r + 1) log(gamma); padded rows repeat the last valid one
+        n_valid = tl.sum(mt.to(tl.int32), axis=0)
+        rows = tl.minimum(tl.arange(0, BT), n_valid - 1) + 1
+        beta = rows.to(tl.float32) * log_gamma
+    else:
+        beta = tl.zeros([BT], dtype=tl.float32)
+    return beta
+
+
+@triton.jit
+def chunk_decays(beta, mt, BT: tl.constexpr, HAS_DECAY: tl.constexpr):
+    """Decay factors of one chunk from its beta [BT] (see the module docstring).
+
+    Returns G [BT, BT], g1 [BT], g2 = g1^2 [BT], gl [BT] (0 on padded rows), gC (scalar) and
+    bL = beta_L (scalar, the log of the chunk's decay, for segment folds)."""
+    rt = tl.arange(0, BT)
+    causal = rt[:, None] >= rt[None, :]
+    if HAS_DECAY:
+        bL = tl.min(beta, axis=0)  # beta is non-increasing: its last (= padded) value is the minimum
+        # exponents are <= 0 wherever they are kept; tl.where selects (no 0 * inf)
+        G = tl.where(causal, tl.exp(tl.where(causal, beta[:, None] - beta[None, :], 0.0)), 0.0)
+        g1 = tl.exp(beta)
+        gl = tl.where(mt, tl.exp(bL - beta), 0.0)
+        gC = tl.exp(bL)
+    else:
+        bL = 0.0
+        G = tl.where(causal, 1.0, 0.0)
+        g1 = tl.full([BT], 1.0, tl.float32)
+        gl = tl.where(mt, 1.0, 0.0)
+        gC = 1.0
+    return G, g1, g1 * g1, gl, gC, bL
+
+
+@triton.jit
+def chunk_factors(g, g_off, log_gamma, t, mt, H: tl.constexpr, BT: tl.constexpr,
+                  HAS_G: tl.constexpr, HAS_DECAY: tl.constexpr):
+    """``chunk_decays(chunk_beta(...))``: G, g1, g2, gl, gC, bL of the chunk with tokens ``t``."""
+    beta = chunk_beta(g, g_off, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
+    return chunk_decays(beta, mt, BT, HAS_DECAY)

@@ -1,0 +1,376 @@
+"""Chunked HLA2 on the Triton kernels: the configuration rule, the launchers, the autograd Function.
+
+Forward: one program per (value block, segment, head) walks its segment's chunks
+(``hla2_fwd_kernel``). With more than one segment a first launch computes every segment's summary
+from a zero state (``hla2_fwd_summary_kernel``) and a small kernel folds them into each segment's
+start state (``hla2_fwd_fold_kernel``), so that all segments then run at once.
+
+Backward: the chunk-start states (kept by the forward, or recomputed by the forward walk), a walk
+from the last chunk to the first carrying only the state gradients (``hla2_bwd_state_kernel``,
+segmented the same way with ``hla2_bwd_fold_kernel``), then every chunk's dq, dk, dv in parallel
+(``hla2_bwd_grad_kernel``), split over the launches ``config.grad_parts`` names. The gradient of the
+log-gates g follows from dq, dk, dv (see ``hla2_bwd_grad_kernel``) plus the final state's share.
+
+Normalization: the forward carries the denominator's state z beside W in the same kernels and
+divides in-kernel. The backward differentiates the unnormalized operator on the value [v | 1] with
+the output gradient [do / (den + eps) | -(do . o) / (den + eps)] (the denominator is the operator
+applied to a column of ones), so the same kernels give every gradient.
+
+Wide heads: a program holds a K x K and a K x V fp32 state, so tiles stop at TILE_MAX features. A
+wider head is cut into feature blocks a, b of at most FEATURE_BLOCK: since q . k is the sum of the
+blocks' dot products, HLA2 is the sum over block pairs of the cross operator with (q_a, k_a)
+outside and (q_b, k_b) inside (``hla2_chunked``). Values wider than TILE_MAX are cut into value
+blocks in the backward (the operator is linear in v).
+"""
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ..common.config import ChunkConfig
+from ..common.gates import log_gamma, reverse_cumsum
+from ..common.launch import (
+    bf16_dots, cdiv, dot_precision, even_blocks, min_value_block, one_wave_segments, pow2_block,
+    split_segments,
+)
+from .chunk_kernels import (
+    hla2_bwd_fold_kernel, hla2_bwd_grad_kernel, hla2_bwd_state_kernel, hla2_fwd_fold_kernel, hla2_fwd_kernel,
+    hla2_fwd_summary_kernel,
+)
+
+# widest feature block one program holds (a K x K and a K x V fp32 state on chip)
+TILE_MAX = 128
+# width of the feature blocks a head wider than TILE_MAX is cut into: with 128-wide blocks the
+# backward of a cross pair did not fit the H200's shared memory (hla_fast/README.md, wide heads)
+FEATURE_BLOCK = 64
+# fewest chunks a segment walks when segments are picked by occupancy
+MIN_SEGMENT_CHUNKS = 4
+
+
+def bwd_value_width(K: int) -> int:
+    """Widest value block of one backward program for keys K wide: TILE_MAX, but 64 when the key
+    tile is 64 or narrower. On an H200 (Triton 3.6) 64-wide key tiles with 128-wide value tiles
+    in 8-warp programs gave NaN gradients and an illegal memory access, while 64 x 64 tiles in
+    4-warp programs, the layout of K = V = 64, passed (hla_fast/README.md, limits)."""
+    return TILE_MAX if pow2_block(K) > 64 else 64
+
+
+def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: torch.device,
+                chunk_size: int = 64) -> ChunkConfig:
+    """The default layout for one call, by the measurements in ``benchmarks/results/``
+    (``hla2_h200.md``, ``hla2_h200_variants.md``, ``hla2_h200_segments.md``; summarized in
+    hla_fast/README.md, "Why these layouts"):
+
+    * heads up to 64 wide: chunks of ``chunk_size`` forward and at most 64 backward; wider heads:
+      chunks of at most 32 in both passes (fewer live tiles a program);
+    * forward value blocks of 64 columns; backward value blocks of ``bwd_value_width(K)``;
+    * 4 warps for tiles up to 64 x 64, 8 above;
+    * segments: as many as keep every program in one wave (two 4-warp programs or one 8-warp
+      program a multiprocessor), at least MIN_SEGMENT_CHUNKS chunks each; the backward walk is
+      segmented only with 4-warp programs (the fold's fp32 product of two 128-wide tiles does not
+      fit in shared memory);
+    * gradients from two launches, dq and (dk, dv);
+    * the forward keeps its chunk-start states for the backward when both use one chunk size and
+      the backward runs one value block.
+    Off CUDA (the interpreter) every walk is one segment. K is the width of one program's key
+    tile (a feature block of a wider head)."""
+    wide = max(K, V) > 64
+    fwd_chunk = min(chunk_size, 32) if wide else chunk_size
+    bwd_chunk = min(chunk_size, 32 if wide else 64)
+    block_v = min(64, pow2_block(V, min_value_block(device)))
+    bwd_bv = min(pow2_block(V, min_value_block(device)), bwd_value_width(K))
+    fwd_warps = 4 if pow2_block(K) <= 64 and block_v <= 64 else 8
+    bwd_warps = 4 if pow2_block(K) <= 64 and bwd_bv <= 64 else 8
+    n_v = cdiv(V, block_v)
+    fwd_seg = one_wave_segments(n_v * B * H, cdiv(T, fwd_chunk), device, 2 if fwd_warps == 4 else 1,
+                                MIN_SEGMENT_CHUNKS)
+    bwd_seg = one_wave_segments(B * H, cdiv(T, bwd_chunk), device, 2, MIN_SEGMENT_CHUNKS) if bwd_warps == 4 else 1
+    return ChunkConfig(fwd_chunk=fwd_chunk, bwd_chunk=bwd_chunk, fwd_segments=fwd_seg, bwd_segments=bwd_seg,
+                       fwd_warps=fwd_warps, bwd_warps=bwd_warps, fwd_block_v=block_v, grad_parts=(1, 6),
+                       save_states=fwd_chunk == bwd_chunk and V <= bwd_value_width(K), bf16_snapshots=True)
+
+
+def _common(q, gamma, g):
+    """Constexprs and scalars every launch shares."""
+    return dict(HAS_DECAY=g is not None or gamma is not None, IS_BF16=bf16_dots(q.dtype),
+                PREC=dot_precision(q.dtype)), log_gamma(gamma) if g is None else 0.0
+
+
+def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v, q2=None, k2=None,
+               outputs=True, normalize=False, eps=0.0, store_final=True, snapshots=None):
+    """Run the forward walk (after the segment summaries and fold when ``segments > 1``).
+
+    q, k: [B, T, H, K]; q2, k2: [B, T, H, K2] or None (plain HLA2); v: [B, T, H, V]; g: [B, T, H]
+    or None; all contiguous. s0, w0, z0: fp32 [B, H, K, K2], [B, H, K, V], [B, H, K] or None.
+    outputs: compute o (else only states). normalize: carry z and divide by (den + eps).
+    snapshots: None, or the dtype to store every chunk-start state (S, W) in.
+    Returns (o [B, T, H, V] or None, den [B, T, H] fp32 or None, S_T, W_T, z_T or None,
+    (cs_s [B*H, NT, K, K2], cs_w [B*H, NT, K, V]) or None)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    q2 = q if q2 is None else q2
+    k2 = k if k2 is None else k2
+    K2 = q2.shape[-1]
+    BH, dev, f32 = B * H, q.device, torch.float32
+    BK = pow2_block(max(K, K2))
+    BV = min(pow2_block(V, min_value_block(dev)), block_v)
+    NV, NT = cdiv(V, BV), cdiv(T, chunk)
+    NS, nseg = split_segments(NT, segments)
+    flags, lg = _common(q, gamma, g)
+    kw = dict(H=H, K=K, K2=K2, V=V, BT=chunk, BK=BK, BV=BV, num_warps=warps, num_stages=1, **flags)
+    h0 = (s0, w0, z0 if normalize else None)
+    if s0 is not None and normalize and z0 is None:
+        h0 = (s0, w0, torch.zeros(B, H, K, device=dev, dtype=f32))
+    if nseg > 1:
+        # -- every segment's summary from a zero state, then every segment's start state ----------
+        sums = dict(sum_s=torch.empty(BH * nseg, K, K2, device=dev, dtype=f32),
+                    sum_w=torch.empty(BH * nseg, K, V, device=dev, dtype=f32),
+                    sum_c=torch.empty(BH * nseg, K2, V, device=dev, dtype=f32),
+                    sum_z=torch.empty(BH * nseg, K, device=dev, dtype=f32) if normalize else None,
+                    sum_cz=torch.empty(BH * nseg, K2, device=dev, dtype=f32) if normalize else None,
+                    sum_lr=torch.empty(BH * nseg, device=dev, dtype=f32))
+        hla2_fwd_summary_kernel[(NV, nseg, BH)](k=k, q2=q2, k2=k2, v=v, g=g, **sums, log_gamma=lg, T=T, NS=NS, **kw)
+        seg = (torch.empty(BH * nseg, K, K2, device=dev, dtype=f32), torch.empty(BH * nseg, K, V, device=dev, dtype=f32),
+               torch.empty(BH * nseg, K, device=dev, dtype=f32) if normalize else None)
+        hla2_fwd_fold_kernel[(NV, BH)](
+            **sums, h0_s=h0[0], h0_w=h0[1], h0_z=h0[2], seg_s=seg[0], seg_w=seg[1], seg_z=seg[2], NSEG=nseg,
+            K=K, K2=K2, V=V, BK=BK, BV=BV, PREC=flags["PREC"], num_warps=warps)
+        h0 = seg
+    o = torch.empty_like(v) if outputs else None
+    den = torch.empty(B, T, H, device=dev, dtype=f32) if (outputs and normalize) else None
+    ht = (torch.empty(B, H, K, K2, device=dev, dtype=f32), torch.empty(B, H, K, V, device=dev, dtype=f32),
+          torch.empty(B, H, K, device=dev, dtype=f32) if normalize else None) if store_final else (None, None, None)
+    cs = None
+    if snapshots is not None:
+        cs = (torch.empty(BH, NT, K, K2, device=dev, dtype=snapshots), torch.empty(BH, NT, K, V, device=dev, dtype=snapshots))
+    hla2_fwd_kernel[(NV, nseg, BH)](
+        q=q, k=k, q2=q2, k2=k2, v=v, g=g, o=o, den=den if normalize else None,
+        h0_s=h0[0], h0_w=h0[1], h0_z=h0[2], ht_s=ht[0], ht_w=ht[1], ht_z=ht[2],
+        cs_s=None if cs is None else cs[0], cs_w=None if cs is None else cs[1],
+        log_gamma=lg, eps=eps, T=T, NS=NS, **kw)
+    return o, den, ht[0], ht[1], ht[2], cs
+
+
+def _value_split(fn, v, do, w0, dht_w, width):
+    """Run ``fn`` per value block of at most ``width`` columns (the operator is linear in v) and
+    combine: sums for the q, k and state-S gradients and db, concatenation for dv and dW0."""
+    outs = []
+    for j, (a, b) in enumerate(even_blocks(v.shape[-1], width)):
+        outs.append(fn(v[..., a:b].contiguous(), do[..., a:b].contiguous(),
+                       None if w0 is None else w0[..., a:b].contiguous(),
+                       None if dht_w is None else dht_w[..., a:b].contiguous(), j == 0))
+
+    def total(i):
+        return None if outs[0][i] is None else sum(o[i] for o in outs)
+
+    def cat(i):
+        return None if outs[0][i] is None else torch.cat([o[i] for o in outs], -1)
+
+    return total(0), total(1), total(2), total(3), cat(4), total(5), cat(6), total(7)
+
+
+def bwd_launch(q, k, v, do, g, gamma, s0, w0, dht_s, dht_w, cfg: ChunkConfig, *, q2=None, k2=None,
+               states=None, want_db=False):
+    """Gradients of the unnormalized (cross) operator.
+
+    q, k: [B, T, H, K]; q2, k2: [B, T, H, K2] or None; v, do: [B, T, H, V]; g: [B, T, H] or None;
+    s0, w0: initial state or None; dht_s [B, H, K, K2], dht_w [B, H, K, V]: gradient of the final
+    state or None. states: the chunk-start snapshots (cs_s, cs_w) a forward with chunk
+    ``cfg.bwd_chunk`` stored, or None to recompute them. want_db: also return dL/db [B, T, H] fp32
+    (without the final state's share).
+    Returns dq, dk, dq2, dk2 (None unless cross; input dtypes), dv, dS0, dW0 (fp32, None without
+    s0), db (or None)."""
+    V = v.shape[-1]
+    width = bwd_value_width(max(q.shape[-1], (q if q2 is None else q2).shape[-1]))
+    if V > width:
+        def block(vb, dob, w0b, dhtb, first):
+            return bwd_launch(q, k, vb, dob, g, gamma, s0, w0b, dht_s if first else None, dhtb, cfg,
+                              q2=q2, k2=k2, want_db=want_db)
+        return _value_split(block, v, do, w0, dht_w, width)
+    B, T, H, K = q.shape
+    cross = q2 is not None
+    q2 = q if q2 is None else q2
+    k2 = k if k2 is None else k2
+    K2 = q2.shape[-1]
+    BH, dev, f32 = B * H, q.device, torch.float32
+    BT, nw = cfg.bwd_chunk, cfg.bwd_warps
+    BK = pow2_block(max(K, K2))
+    BV = pow2_block(V, min_value_block(dev))
+    NT = cdiv(T, BT)
+    snap = torch.bfloat16 if (cfg.bf16_snapshots and bf16_dots(q.dtype)) else f32
+    if states is None or states[0].dtype != snap:
+        states = fwd_launch(q, k, v, g, gamma, s0, w0, None, chunk=BT, segments=cfg.fwd_segments, warps=nw,
+                            block_v=cfg.fwd_block_v, q2=q2, k2=k2, outputs=False, store_final=False,
+                            snapshots=snap)[5]
+    cs_s, cs_w = states
+    do = do.contiguous()
+    flags, lg = _common(q, gamma, g)
+    common = dict(H=H, K=K, K2=K2, V=V, BT=BT, BK=BK, BV=BV, num_warps=nw, num_stages=1, **flags)
+    has_dht = dht_s is not None or dht_w is not None
+    if has_dht:
+        dht_s = torch.zeros(B, H, K, K2, device=dev, dtype=f32) if dht_s is None else dht_s.float().contiguous()
+        dht_w = torch.zeros(B, H, K, V, device=dev, dtype=f32) if dht_w is None else dht_w.float().contiguous()
+    dh0 = ((torch.empty(B, H, K, K2, device=dev, dtype=f32), torch.empty(B, H, K, V, device=dev, dtype=f32))
+           if s0 is not None else (None, None))
+    # segments cannot fold 128 x 128 fp32 products in shared memory: such heads walk in one
+    NS, nseg = split_segments(NT, 1 if (BK > 64 and BV > 64) else cfg.bwd_segments)
+    de = (dht_s, dht_w) if has_dht else (None, None)
+    walk_dh0 = dh0
+    if nseg > 1:
+        # -- backward summaries of the segments from a zero end gradient, folded last to first -----
+        sum_s = torch.empty(BH * nseg, K, K2, device=dev, dtype=f32)
+        sum_w = torch.empty(BH * nseg, K, V, device=dev, dtype=f32)
+        sum_p = torch.empty(BH * nseg, V, K2, device=dev, dtype=f32)
+        sum_lr = torch.empty(BH * nseg, device=dev, dtype=f32)
+        hla2_bwd_state_kernel[(nseg, BH)](
+            q=q, q2=q2, v=v, do=do, g=g, ds_end=sum_s, dw_end=sum_w, de_s=None, de_w=None, dh0_s=None, dh0_w=None,
+            sum_p=sum_p, sum_lr=sum_lr, log_gamma=lg, T=T, NS=NS, **common)
+        de = (torch.empty(BH * nseg, K, K2, device=dev, dtype=f32), torch.empty(BH * nseg, K, V, device=dev, dtype=f32))
+        hla2_bwd_fold_kernel[(BH,)](
+            sum_s=sum_s, sum_w=sum_w, sum_p=sum_p, sum_lr=sum_lr, dht_s=dht_s if has_dht else None,
+            dht_w=dht_w if has_dht else None, de_s=de[0], de_w=de[1], dh0_s=dh0[0], dh0_w=dh0[1], NSEG=nseg,
+            K=K, K2=K2, V=V, BK=BK, BV=BV, PREC=flags["PREC"], num_warps=nw)
+        walk_dh0 = (None, None)
+    # -- the walk: every chunk's end-state gradient ------------------------------------------------
+    ds_end, dw_end = torch.empty_like(cs_s), torch.empty_like(cs_w)
+    hla2_bwd_state_kernel[(nseg, BH)](
+        q=q, q2=q2, v=v, do=do, g=g, ds_end=ds_end, dw_end=dw_end, de_s=de[0], de_w=de[1],
+        dh0_s=walk_dh0[0], dh0_w=walk_dh0[1], sum_p=None, sum_lr=None, log_gamma=lg, T=T, NS=NS, **common)
+    # -- every chunk's gradients, in the launches the config names ----------------------------------
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq2 = torch.empty_like(q2) if cross else dq
+    dk2 = torch.empty_like(k2) if cross else dk
+    db = torch.empty(len(cfg.grad_parts), B, T, H, device=dev, dtype=f32) if want_db else None
+    for i, parts in enumerate(cfg.grad_parts):
+        hla2_bwd_grad_kernel[(NT, BH)](
+            q=q, k=k, q2=q2, k2=k2, v=v, do=do, g=g, dq=dq, dk=dk, dq2=dq2, dk2=dk2, dv=dv,
+            db=None if db is None else db[i], cs_s=cs_s, cs_w=cs_w, ds_end=ds_end, dw_end=dw_end,
+            log_gamma=lg, T=T, CROSS=cross, PARTS=parts, **common)
+    return (dq, dk, dq2 if cross else None, dk2 if cross else None, dv, dh0[0], dh0[1],
+            None if db is None else db.sum(0))
+
+
+def _cat_last(a, b):
+    """[a | b] along the last dim, b a vector per row (None when a is None)."""
+    return None if a is None else torch.cat([a, b[..., None].to(a.dtype)], -1)
+
+
+class HLA2ChunkFunction(torch.autograd.Function):
+    """Autograd of one tile-able (cross) HLA2 on the Triton kernels.
+
+    forward(q [B,T,H,K], k, q2 [B,T,H,K2] | None, k2 | None, v [B,T,H,V], g [B,T,H] | None,
+    s0 [B,H,K,K2] | None, w0 [B,H,K,V] | None, z0 [B,H,K] | None, gamma, normalize, eps, cfg)
+    -> (o [B,T,H,V], S_T [B,H,K,K2], W_T [B,H,K,V], z_T [B,H,K] | None). Normalization only
+    without a cross pair. The backward is not itself differentiable (it raises if asked)."""
+
+    @staticmethod
+    def forward(ctx, q, k, q2, k2, v, g, s0, w0, z0, gamma, normalize, eps, cfg):
+        V = v.shape[-1]
+        grads = any(ctx.needs_input_grad[:9])
+        save = (grads and cfg.save_states and not normalize and cfg.fwd_chunk == cfg.bwd_chunk
+                and V <= bwd_value_width(max(q.shape[-1], (q if q2 is None else q2).shape[-1])))
+        snap = (torch.bfloat16 if (cfg.bf16_snapshots and bf16_dots(q.dtype)) else torch.float32) if save else None
+        o, den, sT, wT, zT, cs = fwd_launch(
+            q, k, v, g, gamma, s0, w0, z0, chunk=cfg.fwd_chunk, segments=cfg.fwd_segments, warps=cfg.fwd_warps,
+            block_v=cfg.fwd_block_v, q2=q2, k2=k2, normalize=normalize, eps=eps, snapshots=snap)
+        cs = (None, None) if cs is None else cs
+        ctx.save_for_backward(q, k, q2, k2, v, g, s0, w0, z0, o if normalize else None, den, sT, wT, zT, *cs)
+        ctx.gamma, ctx.normalize, ctx.eps, ctx.cfg = gamma, normalize, eps, cfg
+        return o, sT, wT, zT
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do, dsT, dwT, dzT):
+        q, k, q2, k2, v, g, s0, w0, z0, o, den, sT, wT, zT, cs_s, cs_w = ctx.saved_tensors
+        want_dg = g is not None and ctx.needs_input_grad[5]
+        if do is None:
+            do = torch.zeros_like(v)
+        V = v.shape[-1]
+        if ctx.normalize:
+            # o = num / (den + eps): the unnormalized operator on [v | 1] with gradient [do / d | -(do . o) / d]
+            d = (den + ctx.eps)[..., None]
+            do_f = do.float()
+            do = torch.cat([do_f / d, -(do_f * o.float()).sum(-1, keepdim=True) / d], -1).to(v.dtype)
+            v = torch.cat([v, torch.ones_like(v[..., :1])], -1)
+            if s0 is not None:
+                w0 = _cat_last(w0, z0 if z0 is not None else torch.zeros_like(w0[..., 0]))
+            if dwT is not None or dzT is not None:
+                dwT = torch.zeros_like(wT) if dwT is None else dwT
+                dzT = torch.zeros_like(zT) if dzT is None else dzT
+                dwT = _cat_last(dwT, dzT)
+            wT = _cat_last(wT, zT)
+        dq, dk, dq2, dk2, dv, ds0, dw0, db = bwd_launch(
+            q, k, v, do, g, ctx.gamma, s0, w0, dsT, dwT, ctx.cfg, q2=q2, k2=k2,
+            states=None if cs_s is None else (cs_s, cs_w), want_db=want_dg)
+        dz0 = None
+        if ctx.normalize:
+            dv = dv[..., :V]
+            if dw0 is not None:
+                dw0, dz0 = dw0[..., :V].contiguous(), dw0[..., V].contiguous()
+        dg = None
+        if want_dg:
+            # the final state S_T carries exp(b_T - b_i), W_T exp(2 b_T - b_i - b_j): their share of dL/db_T
+            last = torch.zeros(db.shape[0], db.shape[2], device=db.device, dtype=db.dtype)
+            if dsT is not None:
+                last = last + (sT * dsT).sum((-1, -2))
+            if dwT is not None:
+                last = last + 2 * (wT * dwT.float()).sum((-1, -2))
+            db[:, -1] += last
+            dg = reverse_cumsum(db).to(g.dtype)
+        return dq, dk, dq2, dk2, dv, dg, ds0, dw0, dz0, None, None, None, None
+
+
+def _feature_blocks(K):
+    """Bounds of feature blocks at most FEATURE_BLOCK wide, as even as possible (one block when
+    K <= TILE_MAX)."""
+    return [(0, K)] if K <= TILE_MAX else even_blocks(K, FEATURE_BLOCK)
+
+
+def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chunk_size=64):
+    """HLA2 on the Triton kernels, any head size up to 256 (through the checks).
+
+    q, k: [B, T, H, K]; v: [B, T, H, V] (contiguous); g: [B, T, H] or None; s0, w0, z0: fp32
+    state or None; config: a ChunkConfig for every launch, or None for ``hla2_config``'s rule
+    (for the head, or for each feature-block pair's width). Returns (o [B, T, H, V], S_T, W_T,
+    z_T or None).
+
+    A head wider than TILE_MAX runs as the sum over feature-block pairs (a, b) of the cross
+    operator; the pair's state is S[a, b] and its share of W's rows a (W's rows a are the sum over
+    b). Normalized, the pairs run on [v | 1] and the quotient is taken at the end."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+
+    def cfg_for(width, v_width):
+        return config if config is not None else hla2_config(B, T, H, width, v_width, q.dtype, q.device, chunk_size)
+
+    blocks = _feature_blocks(K)
+    if len(blocks) == 1:
+        return HLA2ChunkFunction.apply(q, k, None, None, v, g, s0, w0, z0, gamma, normalize, eps, cfg_for(K, V))
+    if normalize:
+        v = torch.cat([v, torch.ones_like(v[..., :1])], -1)
+        if s0 is not None:
+            w0 = torch.cat([w0, z0[..., None]], -1)
+    qs = [q[..., a0:a1].contiguous() for a0, a1 in blocks]
+    ks = [k[..., a0:a1].contiguous() for a0, a1 in blocks]
+    o, s_rows, w_rows = None, [], []
+    for ia, (a0, a1) in enumerate(blocks):
+        s_row, w_row = [], None
+        for ib, (b0, b1) in enumerate(blocks):
+            cross = ia != ib
+            s0_ab = w0_ab = None
+            if s0 is not None:
+                s0_ab = s0[..., a0:a1, b0:b1].contiguous()
+                # W's rows a start in the row's first pair; the others start from zero
+                w0_ab = w0[..., a0:a1, :].contiguous() if ib == 0 else w0.new_zeros(B, H, a1 - a0, v.shape[-1])
+            o_ab, s_ab, w_ab, _ = HLA2ChunkFunction.apply(
+                qs[ia], ks[ia], qs[ib] if cross else None, ks[ib] if cross else None, v, g, s0_ab, w0_ab, None,
+                gamma, False, 0.0, cfg_for(max(a1 - a0, b1 - b0), v.shape[-1]))
+            o = o_ab.float() if o is None else o + o_ab.float()
+            s_row.append(s_ab)
+            w_row = w_ab if w_row is None else w_row + w_ab
+        s_rows.append(torch.cat(s_row, -1))
+        w_rows.append(w_row)
+    S, W = torch.cat(s_rows, -2), torch.cat(w_rows, -2)
+    if not normalize:
+        return o.to(v.dtype), S, W, None
+    return (o[..., :V] / (o[..., V:] + eps)).to(v.dtype), S, W[..., :V], W[..., V]

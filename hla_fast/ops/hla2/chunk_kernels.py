@@ -1,0 +1,602 @@
+"""Triton kernels of chunked HLA2: forward walk, segment summaries and folds, backward.
+
+Layout: ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]``, log-gates ``g: [B, T, H]`` (contiguous).
+States are fp32 ``S: [B*H, K, K2]``, ``W: [B*H, K, V]``, ``z: [B*H, K]`` whatever the input dtype:
+every walk and every fold carries them in fp32. Per-chunk snapshots that a later kernel reads only
+as dot operands may be stored in the dots' operand dtype (bf16 for bf16 inputs): rounding them on
+store is the rounding the dot applies on load anyway.
+
+The kernels compute the *cross* operator with an outer pair (q, k) and an inner pair (q2, k2),
+
+    o_t = sum_{i <= j <= t} exp(2 b_t - b_i - b_j) (q_t . k_i)(q2_j . k2_i) v_j,
+
+HLA2 being q2 = q, k2 = k (``CROSS=False``: the same tiles are reused). The cross form lets a head
+wider than one tile run as a sum over pairs of feature blocks (see ``chunk.py``).
+
+Chunk form (one chunk of C = BT rows, local row r, carried state (S0, W0, z0), the decay factors
+G, g1, g2, gl, gC of ``hla_fast/ops/common/gates.py``):
+
+    X  = Q K^T,   Y = K2 Q2^T                       (each its own dot, see below)
+    A  = X o G,   Ym = Y o U                          (U: column >= row)
+    N  = diag(g1) Q S0 Q2^T + A Ym
+    M  = N o G
+    O  = diag(g2) Q W0 + M V                          den = diag(g2) Q z0 + M 1
+    S  <- gC S0 + (diag(gl) K)^T K2
+    W  <- gC^2 W0 + gC S0 (Q2^T diag(gl) V) + (diag(gl) K)^T (Ym diag(gl) V)
+    z  <- the same as W with V -> 1
+
+Every factor is exp of an exponent <= 0. Masks are applied by selection (``tl.where``), not by
+multiplying with 0, so a non-finite score above the diagonal does not leak into earlier rows
+through an elementwise product (the matrix products still multiply: see hla_fast/README.md).
+Transposed quantities come from their own dots of loaded (or transposed-loaded) tiles, never
+from transposing a dot result fed into another dot (miscompiled by Triton 3.4-3.7.0 on Hopper).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..common.tiles import (
+    cast, chunk_factors, dot, load_cols, load_mat, load_mat_t, load_rows, load_vec, mat_or_zeros, store_mat, vec_or_zeros,
+)
+
+# ============================================================================ forward: one chunk
+
+
+@triton.jit
+def _chunk_output(b_q, b_kt, b_q2t, b_ym, b_v, S, W, z, G, g1, g2, lower,
+                  NORM: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr):
+    """Outputs of one chunk: O [BT, BV] = diag(g2) Q W0 + M V, and den [BT] = diag(g2) Q z0 + M 1
+    when NORM (else a dummy 0)."""
+    b_x = tl.dot(b_q, b_kt, input_precision=PREC)                 # X = Q K^T      [BT, BT]
+    b_a = tl.where(G > 0, b_x * G, 0.0)                            # A = X o G
+    b_qs = dot(b_q, S, IS_BF16, PREC) * g1[:, None]                # diag(g1) Q S0  [BT, BK]
+    b_n = dot(b_qs, b_q2t, IS_BF16, PREC) + dot(b_a, b_ym, IS_BF16, PREC)   # N  [BT, BT]
+    b_m = tl.where(G > 0, b_n * G, 0.0)                            # M = N o G
+    b_o = dot(b_q, W, IS_BF16, PREC) * g2[:, None] + dot(b_m, b_v, IS_BF16, PREC)   # [BT, BV]
+    if NORM:
+        den = tl.sum(b_q.to(tl.float32) * z[None, :], axis=1) * g2 + tl.sum(b_m, axis=1)
+    else:
+        den = 0.0
+    return b_o, den
+
+
+@triton.jit
+def _chunk_carry(b_kt, b_k2, b_q2t, b_ym, b_v, S, W, z, gl, gC,
+                 NORM: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr):
+    """The state at the next chunk's start from (S0, W0, z0) at this one's.
+
+    Also returns Q2^T diag(gl) V [BK, BV] and Q2^T gl [BK] (the segment moments C, Cz)."""
+    b_vg = b_v * gl[:, None]                                       # diag(gl) V     [BT, BV]
+    b_kgt = b_kt * gl[None, :]                                     # (diag(gl) K)^T [BK, BT]
+    b_qtv = dot(b_q2t, b_vg, IS_BF16, PREC)                        # Q2^T Vg        [BK, BV]
+    b_yv = dot(b_ym, b_vg, IS_BF16, PREC)                          # Ym Vg          [BT, BV]
+    W_new = W * (gC * gC) + dot(S, b_qtv, IS_BF16, PREC) * gC + dot(b_kgt, b_yv, IS_BF16, PREC)
+    if NORM:
+        b_qg = tl.sum(b_q2t.to(tl.float32) * gl[None, :], axis=1)                  # Q2^T gl [BK]
+        b_yg = tl.sum(b_ym * gl[None, :], axis=1)                                   # Ym gl   [BT]
+        z_new = z * (gC * gC) + tl.sum(S * b_qg[None, :], axis=1) * gC
+        z_new += tl.sum(b_kgt.to(tl.float32) * b_yg[None, :], axis=1)
+    else:
+        b_qg = 0.0
+        z_new = z
+    S_new = S * gC + dot(b_kgt, b_k2, IS_BF16, PREC)               # [BK, BK]
+    return S_new, W_new, z_new, b_qtv, b_qg
+
+
+@triton.jit
+def _head_offsets(i_bh, T, H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr):
+    """Offsets of head i_bh's first element in [B, T, H, K], [.., K2], [.., V] and [B, T, H]
+    tensors (64-bit: B*T*H*K can pass 2^31)."""
+    row = (i_bh // H).to(tl.int64) * T * H + i_bh % H
+    return row * K, row * K2, row * V, row
+
+
+# ============================================================================ forward kernels
+
+
+@triton.heuristics({
+    "HAS_G": lambda a: a["g"] is not None,
+    "HAS_INIT": lambda a: a["h0_s"] is not None,
+    "HAS_O": lambda a: a["o"] is not None,
+    "SAVE_STATES": lambda a: a["cs_s"] is not None,
+    "STORE_FINAL": lambda a: a["ht_s"] is not None,
+    "NORM": lambda a: a["den"] is not None,
+})
+@triton.jit
+def hla2_fwd_kernel(
+    q, k, q2, k2, v, g,  # q, k: [B, T, H, K]; q2, k2: [B, T, H, K2]; v: [B, T, H, V]; g: [B, T, H] or None
+    o, den,              # out: o [B, T, H, V] or None; den [B, T, H] fp32 (normalize) or None
+    h0_s, h0_w, h0_z,    # start state of every segment, fp32 [B*H*NSEG, K, K2], [.., K, V], [.., K]; or None
+    ht_s, ht_w, ht_z,    # out: final state [B*H, K, K2], [B*H, K, V], [B*H, K]; or None
+    cs_s, cs_w,          # out: chunk-start snapshots [B*H, NT, K, K2], [B*H, NT, K, V]; or None
+    log_gamma, eps, T, NS,  # log(gamma) (without g), normalizer eps, sequence length, chunks per segment
+    H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_INIT: tl.constexpr, HAS_O: tl.constexpr, SAVE_STATES: tl.constexpr,
+    STORE_FINAL: tl.constexpr, NORM: tl.constexpr,
+):
+    """One program per (value block, segment, batch*head) walks its segment's chunks in order,
+    keeping S, its block of W (and z) in fp32 registers: outputs (HAS_O, normalized when NORM),
+    chunk-start snapshots (SAVE_STATES) and the final state (STORE_FINAL, last segment)."""
+    # -- which piece of work this program owns ---------------------------------------------
+    i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NSEG = tl.num_programs(1)
+    NT = tl.cdiv(T, BT)
+    off_k, off_k2, off_v, off_g = _head_offsets(i_bh, T, H, K, K2, V)
+    rt = tl.arange(0, BT)                # rows of a chunk
+    rk = tl.arange(0, BK)                # key features (padded to a power of two)
+    rv = i_v * BV + tl.arange(0, BV)     # this program's value features
+    mk, mk2, mv = rk < K, rk < K2, rv < V
+    lower = rt[:, None] >= rt[None, :]   # L: column <= row
+    upper = rt[:, None] <= rt[None, :]   # U: column >= row
+    lo = i_n * NS
+    hi = tl.minimum(lo + NS, NT)
+
+    # -- the state at the segment's start -------------------------------------------------
+    i_sg = i_bh.to(tl.int64) * NSEG + i_n
+    S = mat_or_zeros(h0_s, i_sg * K * K2, rk, mk, rk, mk2, K2, BK, BK, HAS_INIT)   # [BK, BK]
+    W = mat_or_zeros(h0_w, i_sg * K * V, rk, mk, rv, mv, V, BK, BV, HAS_INIT)      # [BK, BV]
+    if NORM:
+        z = vec_or_zeros(h0_z, i_sg * K, rk, mk, BK, HAS_INIT)                     # [BK]
+    else:
+        z = 0.0
+
+    for i_c in range(lo, hi):
+        t = i_c * BT + rt
+        mt = t < T
+        # -- load the chunk: K^T and Q2^T [BK, BT], K2 [BT, BK], V [BT, BV] -------------
+        b_kt = load_cols(k + off_k, t, mt, rk, mk, H * K, IS_BF16)
+        b_q2t = load_cols(q2 + off_k2, t, mt, rk, mk2, H * K2, IS_BF16)
+        b_k2 = load_rows(k2 + off_k2, t, mt, rk, mk2, H * K2, IS_BF16)
+        b_v = load_rows(v + off_v, t, mt, rv, mv, H * V, IS_BF16)
+        G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
+        # Y = K2 Q2^T by its own dot; Ym keeps i <= j
+        b_ym = tl.where(upper, tl.dot(b_k2, b_q2t, input_precision=PREC), 0.0)     # [BT, BT]
+
+        if SAVE_STATES:
+            # the state at this chunk's start (S once, by the first value block)
+            if i_v == 0:
+                store_mat(cs_s + (i_bh.to(tl.int64) * NT + i_c) * K * K2, S, rk, mk, rk, mk2, K2)
+            store_mat(cs_w + (i_bh.to(tl.int64) * NT + i_c) * K * V, W, rk, mk, rv, mv, V)
+        if HAS_O:
+            b_q = load_rows(q + off_k, t, mt, rk, mk, H * K, IS_BF16)               # [BT, BK]
+            b_o, b_den = _chunk_output(b_q, b_kt, b_q2t, b_ym, b_v, S, W, z, G, g1, g2, lower,
+                                       NORM, IS_BF16, PREC)
+            if NORM:
+                b_o = b_o / (b_den + eps)[:, None]
+                if i_v == 0:
+                    tl.store(den + off_g + t * H, b_den, mask=mt)
+            tl.store(o + off_v + t[:, None] * (H * V) + rv[None, :], b_o.to(o.dtype.element_ty),
+                     mask=mt[:, None] & mv[None, :])
+        # -- carry the state to the next chunk's start ------------------------------------
+        S, W, z, _, _ = _chunk_carry(b_kt, b_k2, b_q2t, b_ym, b_v, S, W, z, gl, gC, NORM, IS_BF16, PREC)
+
+    if STORE_FINAL:
+        if i_n == NSEG - 1:
+            if i_v == 0:
+                store_mat(ht_s + i_bh * K * K2, S, rk, mk, rk, mk2, K2)
+                if NORM:
+                    tl.store(ht_z + i_bh * K + rk, z, mask=mk)
+            store_mat(ht_w + i_bh * K * V, W, rk, mk, rv, mv, V)
+
+
+@triton.heuristics({
+    "HAS_G": lambda a: a["g"] is not None,
+    "NORM": lambda a: a["sum_z"] is not None,
+})
+@triton.jit
+def hla2_fwd_summary_kernel(
+    k, q2, k2, v, g,          # k: [B, T, H, K]; q2, k2: [B, T, H, K2]; v: [B, T, H, V]; g or None
+    sum_s, sum_w, sum_c,      # out: [B*H*NSEG, K, K2], [.., K, V], C = [.., K2, V]
+    sum_z, sum_cz, sum_lr,    # out: z [.., K] and Cz [.., K2] (NORM, else None); log rho [B*H*NSEG]
+    log_gamma, T, NS,
+    H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
+    HAS_G: tl.constexpr, NORM: tl.constexpr,
+):
+    """Each segment's summary from a zero state: (S, W[, z]) after it, C = sum_j exp(b_end - b_j)
+    q2_j v_j^T (Cz: v -> 1) and log rho = b_end - b_start (its total log decay)."""
+    i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NSEG = tl.num_programs(1)
+    NT = tl.cdiv(T, BT)
+    off_k, off_k2, off_v, off_g = _head_offsets(i_bh, T, H, K, K2, V)
+    rt = tl.arange(0, BT)
+    rk = tl.arange(0, BK)
+    rv = i_v * BV + tl.arange(0, BV)
+    mk, mk2, mv = rk < K, rk < K2, rv < V
+    upper = rt[:, None] <= rt[None, :]
+    lo = i_n * NS
+    hi = tl.minimum(lo + NS, NT)
+    S = tl.zeros([BK, BK], dtype=tl.float32)
+    W = tl.zeros([BK, BV], dtype=tl.float32)
+    C = tl.zeros([BK, BV], dtype=tl.float32)
+    if NORM:
+        z = tl.zeros([BK], dtype=tl.float32)
+        Cz = tl.zeros([BK], dtype=tl.float32)
+    else:
+        z = 0.0
+    log_rho = 0.0
+    for i_c in range(lo, hi):
+        t = i_c * BT + rt
+        mt = t < T
+        b_kt = load_cols(k + off_k, t, mt, rk, mk, H * K, IS_BF16)
+        b_q2t = load_cols(q2 + off_k2, t, mt, rk, mk2, H * K2, IS_BF16)
+        b_k2 = load_rows(k2 + off_k2, t, mt, rk, mk2, H * K2, IS_BF16)
+        b_v = load_rows(v + off_v, t, mt, rv, mv, H * V, IS_BF16)
+        G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
+        b_ym = tl.where(upper, tl.dot(b_k2, b_q2t, input_precision=PREC), 0.0)
+        S, W, z, b_qtv, b_qg = _chunk_carry(b_kt, b_k2, b_q2t, b_ym, b_v, S, W, z, gl, gC, NORM, IS_BF16, PREC)
+        C = C * gC + b_qtv
+        if NORM:
+            Cz = Cz * gC + b_qg
+        log_rho += bL
+    i_sg = i_bh.to(tl.int64) * NSEG + i_n
+    if i_v == 0:
+        store_mat(sum_s + i_sg * K * K2, S, rk, mk, rk, mk2, K2)
+        tl.store(sum_lr + i_sg, log_rho)
+        if NORM:
+            tl.store(sum_z + i_sg * K + rk, z, mask=mk)
+            tl.store(sum_cz + i_sg * K2 + rk, Cz, mask=mk2)
+    store_mat(sum_w + i_sg * K * V, W, rk, mk, rv, mv, V)
+    store_mat(sum_c + i_sg * K2 * V, C, rk, mk2, rv, mv, V)
+
+
+@triton.heuristics({
+    "HAS_INIT": lambda a: a["h0_s"] is not None,
+    "NORM": lambda a: a["sum_z"] is not None,
+})
+@triton.jit
+def hla2_fwd_fold_kernel(
+    sum_s, sum_w, sum_c, sum_z, sum_cz, sum_lr,  # segment summaries (hla2_fwd_summary_kernel)
+    h0_s, h0_w, h0_z,                            # state before the sequence [B*H, ..] or None
+    seg_s, seg_w, seg_z,                         # out: state at each segment's start [B*H*NSEG, ..]
+    NSEG,
+    K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PREC: tl.constexpr, HAS_INIT: tl.constexpr, NORM: tl.constexpr,
+):
+    """Fold the segment summaries in order, the (S, C, W) monoid: with rho = exp(log rho),
+
+        W <- rho^2 W + rho S C_seg + W_seg,   z <- rho^2 z + rho S Cz_seg + z_seg,   S <- rho S + S_seg."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    rk = tl.arange(0, BK)
+    rv = i_v * BV + tl.arange(0, BV)
+    mk, mk2, mv = rk < K, rk < K2, rv < V
+    S = mat_or_zeros(h0_s, i_bh.to(tl.int64) * K * K2, rk, mk, rk, mk2, K2, BK, BK, HAS_INIT)
+    W = mat_or_zeros(h0_w, i_bh.to(tl.int64) * K * V, rk, mk, rv, mv, V, BK, BV, HAS_INIT)
+    if NORM:
+        z = vec_or_zeros(h0_z, i_bh.to(tl.int64) * K, rk, mk, BK, HAS_INIT)
+    for i_s in range(0, NSEG):
+        i_sg = i_bh.to(tl.int64) * NSEG + i_s
+        if i_v == 0:
+            store_mat(seg_s + i_sg * K * K2, S, rk, mk, rk, mk2, K2)
+            if NORM:
+                tl.store(seg_z + i_sg * K + rk, z, mask=mk)
+        store_mat(seg_w + i_sg * K * V, W, rk, mk, rv, mv, V)
+        rho = tl.exp(tl.load(sum_lr + i_sg))
+        b_c = load_mat(sum_c + i_sg * K2 * V, rk, mk2, rv, mv, V)
+        W = W * (rho * rho) + tl.dot(S, b_c, input_precision=PREC) * rho + load_mat(sum_w + i_sg * K * V, rk, mk, rv, mv, V)
+        if NORM:
+            b_cz = load_vec(sum_cz + i_sg * K2, rk, mk2)
+            z = z * (rho * rho) + tl.sum(S * b_cz[None, :], axis=1) * rho + load_vec(sum_z + i_sg * K, rk, mk)
+        S = S * rho + load_mat(sum_s + i_sg * K * K2, rk, mk, rk, mk2, K2)
+
+
+# ============================================================================ backward: one chunk
+
+
+@triton.jit
+def _bwd_chunk_grads(
+    b_q, b_qt, b_k, b_kt,            # outer pair: Q, K as [BT, BK] and transposed [BK, BT]
+    b_q2, b_q2t, b_k2, b_k2t,        # inner pair (the same tiles when not CROSS)
+    b_v, b_vt, b_do, b_dot,          # V, dO as [BT, BV] and transposed
+    b_s0, b_s0t, b_w0t,              # chunk-start state S0 [BK, BK], S0^T, W0^T [BV, BK]
+    d_s, d_st, d_w, d_wt,            # gradient of the chunk-end state (and transposes), fp32
+    G, g1, g2, gl, gC, lower, upper,  # decays and masks of the chunk
+    CROSS: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
+):
+    """Gradients of one chunk (fp32): returns dq, dk, dq2, dk2, dv.
+
+    Not CROSS: dq2 and dk2 already hold the whole gradient of q and k (dq, dk are partial)."""
+    GT = tl.trans(G)  # G^T of an elementwise tile (not of a dot result)
+
+    # -- recompute the forward's chunk matrices ----------------------------------------------
+    b_x = tl.dot(b_q, b_kt, input_precision=PREC)       # X = Q K^T
+    b_y = tl.dot(b_k2, b_q2t, input_precision=PREC)     # Y = K2 Q2^T
+    b_a = b_x * G                 # A
+    b_ym = tl.where(upper, b_y, 0.0)                    # Ym
+    if CROSS:
+        b_at = tl.dot(b_k, b_qt, input_precision=PREC) * GT  # A^T
+        b_xm = tl.where(lower, tl.dot(b_q2, b_k2t, input_precision=PREC), 0.0)      # Ym^T
+    else:
+        b_at = b_y * GT
+        b_xm = tl.where(lower, b_x, 0.0)
+    # dN = (dO V^T) o G and its transpose (V dO^T) o G^T
+    b_dn = tl.dot(b_do, b_vt, input_precision=PREC) * G
+    b_dnt = tl.dot(b_v, b_dot, input_precision=PREC) * GT
+    b_qs = tl.dot(b_q, b_s0, input_precision=PREC)      # Q S0     [BT, K2]
+    b_qst = tl.dot(b_q2, b_s0t, input_precision=PREC)   # Q2 S0^T  [BT, K]
+    b_kg = cast(b_k * gl[:, None], IS_BF16)
+    b_vg = cast(b_v * gl[:, None], IS_BF16)
+    b_kgt = cast(b_kt * gl[None, :], IS_BF16)
+    b_vgt = cast(b_vt * gl[None, :], IS_BF16)
+    c_dw = cast(d_w, IS_BF16)
+    c_dwt = cast(d_wt, IS_BF16)
+    c_xm = cast(b_xm, IS_BF16)
+    c_ym = cast(b_ym, IS_BF16)
+    c_dn = cast(b_dn, IS_BF16)
+    c_dnt = cast(b_dnt, IS_BF16)
+
+    # -- dV = M^T dO + diag(gl) (gC Q2 S0^T dW + Ym^T Kg dW) ---------------------------------
+    b_mt = dot(b_qst, b_qt * g1[None, :], IS_BF16, PREC) + dot(c_xm, b_at, IS_BF16, PREC)
+    b_mt = b_mt * GT
+    b_dv = dot(b_mt, b_do, IS_BF16, PREC)
+    b_xk = tl.dot(c_xm, b_kg, input_precision=PREC)
+    b_dvg = dot(b_qst, c_dw, IS_BF16, PREC) * gC + dot(b_xk, c_dw, IS_BF16, PREC)
+    b_dv += b_dvg * gl[:, None]
+
+    # -- dQ (outer): diag(g2) dO W0^T + diag(g1) dN Q2 S0^T + ((dN Ym^T) o G) K --------------
+    b_dq = tl.dot(b_do, b_w0t, input_precision=PREC) * g2[:, None]
+    b_dnq = tl.dot(c_dn, b_q2, input_precision=PREC)
+    b_dq += dot(b_dnq, b_s0t, IS_BF16, PREC) * g1[:, None]
+    b_dx = tl.dot(c_dn, c_xm, input_precision=PREC) * G
+    # -- dQ2 (inner): ((dN^T A) o L) K2 + ((Vg dW^T Kg^T) o L) K2 + dN^T diag(g1) Q S0 + gC Vg dW^T S0
+    b_dx2 = tl.where(lower, dot(c_dnt, b_a, IS_BF16, PREC), 0.0)
+    b_f = cast(tl.dot(b_vg, c_dwt, input_precision=PREC), IS_BF16)
+    b_dx2 += tl.where(lower, tl.dot(b_f, b_kgt, input_precision=PREC), 0.0)
+    if CROSS:
+        b_dq += dot(b_dx, b_k, IS_BF16, PREC)
+        b_dq2 = dot(b_dx2, b_k2, IS_BF16, PREC)
+    else:
+        b_dq2 = b_dq + dot(b_dx + b_dx2, b_k, IS_BF16, PREC)
+    b_dq2 += dot(c_dnt, b_qs * g1[:, None], IS_BF16, PREC)
+    b_dq2 += tl.dot(b_f, b_s0, input_precision=PREC) * gC
+
+    # -- dK (outer): ((Ym dN^T) o G^T) Q + diag(gl) (Ym Vg dW^T + K2 dS^T) -------------------
+    b_dxt = tl.dot(c_ym, c_dnt, input_precision=PREC) * GT
+    b_yv = tl.dot(c_ym, b_vg, input_precision=PREC)
+    b_dkg = dot(b_yv, c_dwt, IS_BF16, PREC)
+    # -- dK2 (inner): ((A^T dN) o U) Q2 + ((Kg dW Vg^T) o U) Q2 + diag(gl) K dS -------------
+    b_dy = tl.where(upper, dot(b_at, c_dn, IS_BF16, PREC), 0.0)
+    b_e = tl.dot(b_kg, c_dw, input_precision=PREC)
+    b_dy += tl.where(upper, dot(b_e, b_vgt, IS_BF16, PREC), 0.0)
+    if CROSS:
+        b_dk = dot(b_dxt, b_q, IS_BF16, PREC)
+        b_dkg += dot(b_k2, d_st, IS_BF16, PREC)
+        b_dk += b_dkg * gl[:, None]
+        b_dk2 = dot(b_dy, b_q2, IS_BF16, PREC)
+        b_dk2 += dot(b_kg, d_s, IS_BF16, PREC)
+    else:
+        b_dk = dot(b_dxt + b_dy, b_q, IS_BF16, PREC)
+        b_dkg += dot(b_k, d_s + d_st, IS_BF16, PREC)
+        b_dk2 = b_dk + b_dkg * gl[:, None]
+    return b_dq, b_dk, b_dq2, b_dk2, b_dv
+
+
+@triton.jit
+def _dstate_step(d_s, d_w, b_qt, b_q2, b_vgt, b_dn, b_do, g1, g2, gC,
+                 IS_BF16: tl.constexpr, PREC: tl.constexpr):
+    """Gradient of a chunk's start state from that of its end state:
+
+        dS0 = gC dS + gC dW (Vg^T Q2) + (Q^T diag(g1) dN) Q2,    dW0 = gC^2 dW + Q^T diag(g2) dO."""
+    b_vq = tl.dot(b_vgt, b_q2, input_precision=PREC)                       # Vg^T Q2         [BV, BK]
+    b_qdn = dot(b_qt * g1[None, :], b_dn, IS_BF16, PREC)                    # Q^T diag(g1) dN [BK, BT]
+    n_s = d_s * gC + dot(d_w, b_vq, IS_BF16, PREC) * gC + dot(b_qdn, b_q2, IS_BF16, PREC)
+    n_w = d_w * (gC * gC) + dot(b_qt * g2[None, :], b_do, IS_BF16, PREC)
+    return n_s, n_w
+
+
+# ============================================================================ backward kernels
+
+
+@triton.heuristics({
+    "HAS_G": lambda a: a["g"] is not None,
+    "HAS_DHT": lambda a: a["de_s"] is not None,
+    "STORE_DH0": lambda a: a["dh0_s"] is not None,
+    "SUMMARY": lambda a: a["sum_p"] is not None,
+})
+@triton.jit
+def hla2_bwd_state_kernel(
+    q, q2, v, do, g,       # q: [B, T, H, K]; q2: [B, T, H, K2]; v, do: [B, T, H, V]; g or None
+    ds_end, dw_end,        # out: gradient of each chunk's END state [B*H, NT, K, K2], [.., K, V]
+                           #      (SUMMARY: the segment's start-state gradient [B*H*NSEG, ..])
+    de_s, de_w,            # gradient of each segment's END state, fp32 [B*H*NSEG, ..]; or None (zero)
+    dh0_s, dh0_w,          # out: gradient of the initial state [B*H, ..]; or None
+    sum_p, sum_lr,         # SUMMARY out: P = sum_j exp(b_end - b_j) v_j q2_j^T [B*H*NSEG, V, K2],
+                           #              log rho [B*H*NSEG]; or None
+    log_gamma, T, NS,
+    H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, SUMMARY: tl.constexpr,
+):
+    """One program per (segment, batch*head) walks its chunks from last to first carrying only the
+    state gradients (dS, dW), storing each chunk's end-state gradient for the per-chunk kernel.
+    SUMMARY: walk from a zero end gradient and store the segment's backward summary instead."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    NSEG = tl.num_programs(0)
+    NT = tl.cdiv(T, BT)
+    lo = i_n * NS
+    hi = tl.minimum(lo + NS, NT)
+    i_sg = i_bh.to(tl.int64) * NSEG + i_n
+    off_k, off_k2, off_v, off_g = _head_offsets(i_bh, T, H, K, K2, V)
+    rt = tl.arange(0, BT)
+    rk = tl.arange(0, BK)
+    rv = tl.arange(0, BV)
+    mk, mk2, mv = rk < K, rk < K2, rv < V
+    lower = rt[:, None] >= rt[None, :]
+    d_s = mat_or_zeros(de_s, i_sg * K * K2, rk, mk, rk, mk2, K2, BK, BK, HAS_DHT)
+    d_w = mat_or_zeros(de_w, i_sg * K * V, rk, mk, rv, mv, V, BK, BV, HAS_DHT)
+    if SUMMARY:
+        b_p = tl.zeros([BV, BK], dtype=tl.float32)
+        log_after = 0.0  # log decay from the current chunk's end to the segment's end
+    for i_r in range(0, hi - lo):
+        i_c = hi - 1 - i_r
+        if not SUMMARY:
+            store_mat(ds_end + (i_bh.to(tl.int64) * NT + i_c) * K * K2, d_s, rk, mk, rk, mk2, K2)
+            store_mat(dw_end + (i_bh.to(tl.int64) * NT + i_c) * K * V, d_w, rk, mk, rv, mv, V)
+        t = i_c * BT + rt
+        mt = t < T
+        b_qt = load_cols(q + off_k, t, mt, rk, mk, H * K, IS_BF16)
+        b_q2 = load_rows(q2 + off_k2, t, mt, rk, mk2, H * K2, IS_BF16)
+        b_vt = load_cols(v + off_v, t, mt, rv, mv, H * V, IS_BF16)
+        b_do = load_rows(do + off_v, t, mt, rv, mv, H * V, IS_BF16)
+        G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
+        b_vgt = cast(b_vt * gl[None, :], IS_BF16)
+        if SUMMARY:
+            b_p += tl.dot(b_vgt, b_q2, input_precision=PREC) * tl.exp(log_after)
+            log_after += bL
+        b_dn = cast(tl.dot(b_do, b_vt, input_precision=PREC) * G, IS_BF16)
+        d_s, d_w = _dstate_step(d_s, d_w, b_qt, b_q2, b_vgt, b_dn, b_do, g1, g2, gC, IS_BF16, PREC)
+    if SUMMARY:
+        store_mat(ds_end + i_sg * K * K2, d_s, rk, mk, rk, mk2, K2)
+        store_mat(dw_end + i_sg * K * V, d_w, rk, mk, rv, mv, V)
+        store_mat(sum_p + i_sg * V * K2, b_p, rv, mv, rk, mk2, K2)
+        tl.store(sum_lr + i_sg, log_after)
+    elif STORE_DH0:
+        store_mat(dh0_s + i_bh * K * K2, d_s, rk, mk, rk, mk2, K2)
+        store_mat(dh0_w + i_bh * K * V, d_w, rk, mk, rv, mv, V)
+
+
+@triton.heuristics({
+    "HAS_DHT": lambda a: a["dht_s"] is not None,
+    "STORE_DH0": lambda a: a["dh0_s"] is not None,
+})
+@triton.jit
+def hla2_bwd_fold_kernel(
+    sum_s, sum_w, sum_p, sum_lr,  # segments' backward summaries (SUMMARY walk)
+    dht_s, dht_w,                 # gradient of the final state, fp32 [B*H, ..]; or None
+    de_s, de_w,                   # out: gradient of each segment's END state [B*H*NSEG, ..]
+    dh0_s, dh0_w,                 # out: gradient of the initial state; or None
+    NSEG,
+    K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PREC: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+):
+    """Fold the backward summaries from the last segment to the first (the transpose of the
+    forward's fold, P = C^T):  dS <- rho dS + rho dW P + dS_seg,  dW <- rho^2 dW + dW_seg."""
+    i_bh = tl.program_id(0)
+    rk = tl.arange(0, BK)
+    rv = tl.arange(0, BV)
+    mk, mk2, mv = rk < K, rk < K2, rv < V
+    d_s = mat_or_zeros(dht_s, i_bh.to(tl.int64) * K * K2, rk, mk, rk, mk2, K2, BK, BK, HAS_DHT)
+    d_w = mat_or_zeros(dht_w, i_bh.to(tl.int64) * K * V, rk, mk, rv, mv, V, BK, BV, HAS_DHT)
+    for i_r in range(0, NSEG):
+        i_sg = i_bh.to(tl.int64) * NSEG + NSEG - 1 - i_r
+        store_mat(de_s + i_sg * K * K2, d_s, rk, mk, rk, mk2, K2)
+        store_mat(de_w + i_sg * K * V, d_w, rk, mk, rv, mv, V)
+        rho = tl.exp(tl.load(sum_lr + i_sg))
+        b_p = load_mat(sum_p + i_sg * V * K2, rv, mv, rk, mk2, K2)
+        d_s = d_s * rho + tl.dot(d_w, b_p, input_precision=PREC) * rho + load_mat(sum_s + i_sg * K * K2, rk, mk, rk, mk2, K2)
+        d_w = d_w * (rho * rho) + load_mat(sum_w + i_sg * K * V, rk, mk, rv, mv, V)
+    if STORE_DH0:
+        store_mat(dh0_s + i_bh * K * K2, d_s, rk, mk, rk, mk2, K2)
+        store_mat(dh0_w + i_bh * K * V, d_w, rk, mk, rv, mv, V)
+
+
+@triton.jit
+def _store_pair(d, d2, off_k, off_k2, t, m_tk, m_tk2, rk, b_d, b_d2,
+                H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, CROSS: tl.constexpr):
+    """The gradient of the outer pair into d ([B, T, H, K]) and of the inner pair into d2
+    ([.., K2]). Not CROSS: the pairs are one tensor and b_d2 holds its whole gradient."""
+    if CROSS:
+        tl.store(d + off_k + t[:, None] * (H * K) + rk[None, :], b_d.to(d.dtype.element_ty), mask=m_tk)
+        tl.store(d2 + off_k2 + t[:, None] * (H * K2) + rk[None, :], b_d2.to(d2.dtype.element_ty), mask=m_tk2)
+    else:
+        tl.store(d + off_k + t[:, None] * (H * K) + rk[None, :], b_d2.to(d.dtype.element_ty), mask=m_tk)
+
+
+@triton.heuristics({
+    "HAS_G": lambda a: a["g"] is not None,
+    "HAS_DB": lambda a: a["db"] is not None,
+})
+@triton.jit
+def hla2_bwd_grad_kernel(
+    q, k, q2, k2, v, do, g,  # inputs as in the forward; do: [B, T, H, V]
+    dq, dk, dq2, dk2, dv,    # out: gradients, same shapes and dtypes (dq2, dk2 written when CROSS)
+    db,                      # out: this launch's share of dL/db_t, fp32 [B, T, H]; or None
+    cs_s, cs_w,              # chunk-start snapshots [B*H, NT, K, K2], [B*H, NT, K, V]
+    ds_end, dw_end,          # chunk-end state gradients (hla2_bwd_state_kernel), same shapes
+    log_gamma, T,
+    H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DECAY: tl.constexpr, CROSS: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
+    PARTS: tl.constexpr,     # which gradients this launch stores: bit 1 dq, 2 dk, 4 dv
+    HAS_G: tl.constexpr, HAS_DB: tl.constexpr,
+):
+    """One program per (chunk, batch*head): every chunk is independent here. A launch storing only
+    some gradients compiles to a smaller kernel (the compiler drops products no stored gradient
+    needs), so the launcher may split them over several launches.
+
+    db: each term of the operator carries exp(2 b_t - b_i - b_j), so dL/db_s counts +2 for every
+    term whose t is s and -1 for every index i or j equal to s. q_s enters the terms with t = s or
+    j = s, k_s twice those with i = s, v_s those with j = s, hence
+    dL/db_s = 2 q.dq - 1/2 k.dk - 3 v.dv (plain HLA2) or 2 q.dq - k.dk - v.dv (cross, outer pair).
+    Each launch adds the part its gradients give."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    NT = tl.cdiv(T, BT)
+    off_k, off_k2, off_v, off_g = _head_offsets(i_bh, T, H, K, K2, V)
+    rt = tl.arange(0, BT)
+    rk = tl.arange(0, BK)
+    rv = tl.arange(0, BV)
+    mk, mk2, mv = rk < K, rk < K2, rv < V
+    lower = rt[:, None] >= rt[None, :]
+    upper = rt[:, None] <= rt[None, :]
+    t = i_c * BT + rt
+    mt = t < T
+    # -- every tile of the chunk, plain and transposed (strided loads) ------------------------
+    b_q = load_rows(q + off_k, t, mt, rk, mk, H * K, IS_BF16)
+    b_qt = load_cols(q + off_k, t, mt, rk, mk, H * K, IS_BF16)
+    b_k = load_rows(k + off_k, t, mt, rk, mk, H * K, IS_BF16)
+    b_kt = load_cols(k + off_k, t, mt, rk, mk, H * K, IS_BF16)
+    if CROSS:
+        b_q2 = load_rows(q2 + off_k2, t, mt, rk, mk2, H * K2, IS_BF16)
+        b_q2t = load_cols(q2 + off_k2, t, mt, rk, mk2, H * K2, IS_BF16)
+        b_k2 = load_rows(k2 + off_k2, t, mt, rk, mk2, H * K2, IS_BF16)
+        b_k2t = load_cols(k2 + off_k2, t, mt, rk, mk2, H * K2, IS_BF16)
+    else:
+        b_q2, b_q2t, b_k2, b_k2t = b_q, b_qt, b_k, b_kt
+    b_v = load_rows(v + off_v, t, mt, rv, mv, H * V, IS_BF16)
+    b_vt = load_cols(v + off_v, t, mt, rv, mv, H * V, IS_BF16)
+    b_do = load_rows(do + off_v, t, mt, rv, mv, H * V, IS_BF16)
+    b_dot = load_cols(do + off_v, t, mt, rv, mv, H * V, IS_BF16)
+    # -- forward state at the chunk start, gradient of the state at its end ------------------
+    off_s = (i_bh.to(tl.int64) * NT + i_c) * K * K2
+    off_w = (i_bh.to(tl.int64) * NT + i_c) * K * V
+    b_s0 = cast(load_mat(cs_s + off_s, rk, mk, rk, mk2, K2), IS_BF16)
+    b_s0t = cast(load_mat_t(cs_s + off_s, rk, mk2, rk, mk, K2), IS_BF16)
+    b_w0t = cast(load_mat_t(cs_w + off_w, rv, mv, rk, mk, V), IS_BF16)
+    d_s = load_mat(ds_end + off_s, rk, mk, rk, mk2, K2)
+    d_st = load_mat_t(ds_end + off_s, rk, mk2, rk, mk, K2)
+    d_w = load_mat(dw_end + off_w, rk, mk, rv, mv, V)
+    d_wt = load_mat_t(dw_end + off_w, rv, mv, rk, mk, V)
+    G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
+    b_dq, b_dk, b_dq2, b_dk2, b_dv = _bwd_chunk_grads(
+        b_q, b_qt, b_k, b_kt, b_q2, b_q2t, b_k2, b_k2t, b_v, b_vt, b_do, b_dot,
+        b_s0, b_s0t, b_w0t, d_s, d_st, d_w, d_wt, G, g1, g2, gl, gC, lower, upper, CROSS, IS_BF16, PREC)
+    # -- store what this launch owns ----------------------------------------------------------
+    m_tk = mt[:, None] & mk[None, :]
+    m_tk2 = mt[:, None] & mk2[None, :]
+    b_db = tl.zeros([BT], dtype=tl.float32)
+    if PARTS & 1:
+        _store_pair(dq, dq2, off_k, off_k2, t, m_tk, m_tk2, rk, b_dq, b_dq2, H, K, K2, CROSS)
+        if CROSS:
+            b_db += 2.0 * tl.sum(b_q.to(tl.float32) * b_dq, axis=1)
+        else:
+            b_db += 2.0 * tl.sum(b_q.to(tl.float32) * b_dq2, axis=1)
+    if PARTS & 2:
+        _store_pair(dk, dk2, off_k, off_k2, t, m_tk, m_tk2, rk, b_dk, b_dk2, H, K, K2, CROSS)
+        if CROSS:
+            b_db -= tl.sum(b_k.to(tl.float32) * b_dk, axis=1)
+        else:
+            b_db -= 0.5 * tl.sum(b_k.to(tl.float32) * b_dk2, axis=1)
+    if PARTS & 4:
+        tl.store(dv + off_v + t[:, None] * (H * V) + rv[None, :], b_dv.to(dv.dtype.element_ty),
+                 mask=mt[:, None] & mv[None, :])
+        if CROSS:
+            b_db -= tl.sum(b_v.to(tl.float32) * b_dv, axis=1)
+        else:
+            b_db -= 3.0 * tl.sum(b_v.to(tl.float32) * b_dv, axis=1)
+    if HAS_DB:
+        tl.store(db + off_g + t * H, b_db, mask=mt)

@@ -1,0 +1,133 @@
+"""One-token HLA2 decode step: a Triton kernel and its torch twin.
+
+Compact recurrence per (batch, head), state fp32, with the token's factor
+a = exp(g) (g the log-gate; a = gamma for a constant decay, 1 without decay):
+
+    S <- a S + k k^T           [K, K]
+    u  = S q                   [K]
+    W <- a^2 W + u v^T         [K, V]
+    z <- a^2 z + u             [K]      (normalize only)
+    o  = q^T W  [/ (q^T z + eps)]
+
+The kernel splits the rows of S, W (and z) over programs, so each state element
+is read once and written once; each program also returns its rows' share of
+q^T W (and q^T z), which a tiny torch sum adds up. Work is O(K^2 + K V) per head
+and the step is bound by state traffic.
+
+The kernel has no backward: ``hla2_step`` runs the torch step (differentiable) whenever a
+gradient is being recorded.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common.launch import cdiv, next_pow2
+from .state import HLA2State
+
+
+@triton.heuristics({
+    "HAS_G": lambda a: a["g"] is not None,
+    "NORM": lambda a: a["z_in"] is not None,
+})
+@triton.jit
+def hla2_step_kernel(
+    q, k, v, g,              # [B*H, K], [B*H, K], [B*H, V] (any float dtype); log-gates [B*H] or None
+    s_in, w_in, z_in,        # fp32 state: [B*H, K, K], [B*H, K, V], [B*H, K] (or None)
+    s_out, w_out, z_out,     # fp32 new state, same shapes
+    o_part, d_part,          # fp32 partial outputs: [B*H, NR, V], [B*H, NR] (or None)
+    gamma,                   # the constant factor when g is None
+    K: tl.constexpr, V: tl.constexpr,
+    BR: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_G: tl.constexpr, NORM: tl.constexpr,
+):
+    i_bh = tl.program_id(0)  # batch * head
+    i_r = tl.program_id(1)   # block of BR state rows
+    NR = tl.num_programs(1)
+    rr = i_r * BR + tl.arange(0, BR)  # this program's rows
+    rk = tl.arange(0, BK)
+    rv = tl.arange(0, BV)
+    mr = rr < K
+    mk = rk < K
+    mv = rv < V
+    base_kk = i_bh.to(tl.int64) * K * K
+    base_kv = i_bh.to(tl.int64) * K * V
+    # the token: q and k in full (columns), k and q on our rows, v in full
+    b_q = tl.load(q + i_bh * K + rk, mask=mk, other=0.0).to(tl.float32)
+    b_k = tl.load(k + i_bh * K + rk, mask=mk, other=0.0).to(tl.float32)
+    b_qr = tl.load(q + i_bh * K + rr, mask=mr, other=0.0).to(tl.float32)
+    b_kr = tl.load(k + i_bh * K + rr, mask=mr, other=0.0).to(tl.float32)
+    b_v = tl.load(v + i_bh * V + rv, mask=mv, other=0.0).to(tl.float32)
+    if HAS_G:
+        a = tl.exp(tl.load(g + i_bh).to(tl.float32))
+    else:
+        a = gamma
+    # S rows: S <- a S + k k^T
+    p_s = base_kk + rr[:, None] * K + rk[None, :]
+    m_s = mr[:, None] & mk[None, :]
+    b_s = tl.load(s_in + p_s, mask=m_s, other=0.0) * a + b_kr[:, None] * b_k[None, :]
+    tl.store(s_out + p_s, b_s, mask=m_s)
+    # u = S q on our rows
+    b_u = tl.sum(b_s * b_q[None, :], axis=1)
+    # W rows: W <- a^2 W + u v^T
+    p_w = base_kv + rr[:, None] * V + rv[None, :]
+    m_w = mr[:, None] & mv[None, :]
+    b_w = tl.load(w_in + p_w, mask=m_w, other=0.0) * (a * a) + b_u[:, None] * b_v[None, :]
+    tl.store(w_out + p_w, b_w, mask=m_w)
+    # our rows' share of o = q^T W
+    b_o = tl.sum(b_qr[:, None] * b_w, axis=0)
+    tl.store(o_part + (i_bh * NR + i_r) * V + rv, b_o, mask=mv)
+    if NORM:
+        b_z = tl.load(z_in + i_bh * K + rr, mask=mr, other=0.0) * (a * a) + b_u
+        tl.store(z_out + i_bh * K + rr, b_z, mask=mr)
+        tl.store(d_part + i_bh * NR + i_r, tl.sum(b_qr * b_z, axis=0))
+
+
+def hla2_step_triton(q, k, v, state, g, gamma, normalize, eps):
+    """Triton decode step. q, k: [B, H, K]; v: [B, H, V]; g: [B, H] log-gates or None (then the
+    constant factor gamma, None for no decay); state: fp32 HLA2State.
+
+    Returns (o [B, H, V] in v's dtype, new HLA2State)."""
+    B, H, K = q.shape
+    V = v.shape[-1]
+    BK, BV = max(16, next_pow2(K)), max(16, next_pow2(V))
+    # rows of S and W per program: 32 rows moved state at 87% of copy bandwidth on an H200 at
+    # K = V = 128 (16 rows: 85%, 8 rows: 78%; benchmarks/results/hla2_h200.md, decode)
+    BR = min(32 if max(BK, BV) <= 128 else 8, BK)
+    NR = cdiv(K, BR)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    S, W = state.S.contiguous(), state.W.contiguous()
+    z = state.z.contiguous() if normalize else None
+    s_out, w_out = torch.empty_like(S), torch.empty_like(W)
+    z_out = torch.empty_like(z) if normalize else None
+    o_part = torch.empty(B * H, NR, V, device=q.device, dtype=torch.float32)
+    d_part = torch.empty(B * H, NR, device=q.device, dtype=torch.float32) if normalize else None
+    hla2_step_kernel[(B * H, NR)](
+        q=q, k=k, v=v, g=None if g is None else g.contiguous(), s_in=S, w_in=W, z_in=z,
+        s_out=s_out, w_out=w_out, z_out=z_out, o_part=o_part, d_part=d_part,
+        gamma=1.0 if gamma is None else float(gamma), K=K, V=V, BR=BR, BK=BK, BV=BV, num_warps=4)
+    o = o_part.sum(1).view(B, H, V)
+    if normalize:
+        o = o / (d_part.sum(1).view(B, H, 1) + eps)
+    return o.to(v.dtype), HLA2State(s_out, w_out, z_out)
+
+
+def hla2_step_torch(q, k, v, state, g, gamma, normalize, eps):
+    """Torch decode step (same contract as :func:`hla2_step_triton`; differentiable)."""
+    cd = state.S.dtype
+    qf, kf, vf = q.to(cd), k.to(cd), v.to(cd)
+    if g is not None:
+        a = torch.exp(g.to(cd))[..., None, None]  # [B, H, 1, 1]
+    else:
+        a = torch.tensor(1.0 if gamma is None else float(gamma), dtype=cd, device=q.device)
+    S = a * state.S + kf[..., :, None] * kf[..., None, :]
+    u = (S @ qf[..., None])[..., 0]
+    W = a * a * state.W + u[..., :, None] * vf[..., None, :]
+    o = (qf[..., None, :] @ W)[..., 0, :]
+    z = None
+    if normalize:
+        a_z = a[..., 0] if g is not None else a  # [B, H, 1] against z [B, H, K]
+        z = a_z * a_z * state.z + u
+        o = o / ((qf * z).sum(-1, keepdim=True) + eps)
+    return o.to(v.dtype), HLA2State(S, W, z)

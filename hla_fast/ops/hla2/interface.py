@@ -1,0 +1,107 @@
+"""Public entry points of the HLA2 operator: :func:`hla2` and :func:`hla2_step`."""
+from __future__ import annotations
+
+import torch
+
+from ..common.checks import (
+    check_backend, check_chunk_size, check_eps, check_flag, check_gamma, check_gates, check_kernel_dtype,
+    check_qkv, check_state_parts, state_dtype,
+)
+from ..common.config import ChunkConfig
+from ..common.gates import gates_from_gamma
+from .state import HLA2State
+
+
+def _check_common(q, k, v, gamma, g, normalize, eps, backend, seq):
+    """The checks hla2 and hla2_step share; returns (dims, gamma, g, eps, backend)."""
+    dims = check_qkv(q, k, v, seq=seq)
+    gamma = check_gamma(gamma)
+    g = check_gates(g, gamma, q, seq=seq)
+    check_flag(normalize, "normalize")
+    eps = check_eps(eps)
+    backend = check_backend(backend, q.device)
+    if backend == "triton":
+        check_kernel_dtype(q)
+    return dims, gamma, g, eps, backend
+
+
+def _check_state(state, B, H, K, V, normalize, q, name):
+    want = {"S": (B, H, K, K), "W": (B, H, K, V), "z": (B, H, K) if normalize else None}
+    return check_state_parts(state, HLA2State, want, {"z"}, q.device, name, state_dtype(q.dtype))
+
+
+def hla2(q, k, v, *, gamma=None, g=None, normalize=False, eps=1e-6, initial_state=None,
+         output_final_state=False, chunk_size=64, backend=None, config=None):
+    """Masked second-order HLA with a constant decay or per-token gates.
+
+    o_t = sum_{i <= j <= t} exp(2 b_t - b_i - b_j) (q_t . k_i)(q_j . k_i) v_j with
+    b_t = sum_{s <= t} g_s (g = log(gamma) for a constant decay), divided by the same sum with
+    v_j -> 1 plus eps when ``normalize``. No scaling is applied to q or k.
+
+    Args:
+        q, k: [B, T, H, K] float32, bfloat16 or float16 (float64 too on backend="torch").
+        v: [B, T, H, V], same dtype and device as q.
+        gamma: None (no decay) or a float in (0, 1] (not a tensor that requires grad: use g).
+        g: None or log-gates [B, T, H] (every value <= 0: the factor exp(g) in (0, 1] per token
+            and head; flash-linear-attention's convention); exclusive with gamma. Differentiable.
+        normalize: divide by the denominator (den + eps). The denominator is a signed sum and
+            can cross zero; there the output is ill-conditioned.
+        eps: finite float >= 0.
+        initial_state: HLA2State(S [B, H, K, K], W [B, H, K, V], z [B, H, K] if normalize),
+            fp32 (float64 on the float64 torch path), or None for zeros. Differentiable.
+        output_final_state: also return the state after the last token.
+        chunk_size: rows per chunk (16, 32, 64 or 128 on the triton backend); the result does
+            not depend on it.
+        backend: "triton", "torch" or None (triton for CUDA tensors, torch otherwise).
+        config: a ChunkConfig for the triton backend (None: ``hla2_config``'s measured rule).
+
+    Returns:
+        (o [B, T, H, V] in v's dtype, HLA2State or None).
+    """
+    (B, T, H, K, V), gamma, g, eps, backend = _check_common(q, k, v, gamma, g, normalize, eps, backend, seq=True)
+    check_flag(output_final_state, "output_final_state")
+    check_chunk_size(chunk_size, backend)
+    st = _check_state(initial_state, B, H, K, V, normalize, q, "initial_state")
+    if config is not None and not isinstance(config, ChunkConfig):
+        raise TypeError(f"config must be a ChunkConfig or None, got {type(config).__name__}")
+    if backend == "torch":
+        from .torch_backend import hla2_torch
+
+        gates = g if g is not None else (gates_from_gamma(gamma, q[..., 0]) if gamma is not None else None)
+        o, final = hla2_torch(q, k, v, gates, normalize, eps, st, chunk_size)
+        return o, (final if output_final_state else None)
+    from .chunk import hla2_chunked
+
+    s0, w0, z0 = (None, None, None) if st is None else (st.S.contiguous(), st.W.contiguous(),
+                                                         None if st.z is None else st.z.contiguous())
+    o, sT, wT, zT = hla2_chunked(q.contiguous(), k.contiguous(), v.contiguous(),
+                                 None if g is None else g.contiguous(), gamma, s0, w0, z0, normalize, eps, config, chunk_size)
+    return o, (HLA2State(sT, wT, zT) if output_final_state else None)
+
+
+def hla2_step(q, k, v, state=None, *, gamma=None, g=None, normalize=False, eps=1e-6, backend=None):
+    """One decode step of HLA2, O(K^2 + K V) per head.
+
+    Args:
+        q, k: [B, H, K]; v: [B, H, V] (same dtype and device).
+        state: HLA2State(S [B, H, K, K], W [B, H, K, V], z [B, H, K] if normalize), fp32
+            (float64 on the float64 torch path); None starts from zeros.
+        gamma: None or a float in (0, 1]; g: None or log-gates [B, H] (<= 0), exclusive.
+    Returns:
+        (o [B, H, V] in v's dtype, new HLA2State). The input state is not modified. The Triton
+        kernel has no backward: while autograd records (an input requires grad), the step runs
+        on the torch path, which differentiates it.
+    """
+    (B, _, H, K, V), gamma, g, eps, backend = _check_common(q, k, v, gamma, g, normalize, eps, backend, seq=False)
+    sd = state_dtype(q.dtype)
+    if state is None:
+        state = HLA2State(q.new_zeros(B, H, K, K, dtype=sd), q.new_zeros(B, H, K, V, dtype=sd),
+                          q.new_zeros(B, H, K, dtype=sd) if normalize else None)
+    st = _check_state(state, B, H, K, V, normalize, q, "state")
+    from .decode import hla2_step_torch, hla2_step_triton
+
+    recording = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, *st))
+    if backend == "triton" and not recording:
+        return hla2_step_triton(q, k, v, st, g, gamma, normalize, eps)
+    return hla2_step_torch(q, k, v, st, g, gamma, normalize, eps)

@@ -1,0 +1,119 @@
+"""Vectorized pure-torch chunked HLA2 (the ``backend="torch"`` path).
+
+Everything inside a chunk is batched over all chunks at once (matrix products on
+``[B, H, NT, C, C]`` tiles); only the small state recurrence between chunks is a Python loop.
+Autograd differentiates through it (the gates' gradient too), so it doubles as a second reference
+for the Triton kernels (run it on float64 tensors for a tight one).
+
+Chunk form (one chunk, local rows r, carried state (S0, W0), chunk-local cumulative log-gates
+beta, decay factors G, g1, g2, gl, gC as in ``hla_fast/ops/common/gates.py``):
+
+    X = Q K^T,  A = X o G,  Xm = X o L
+    O = diag(g2) Q W0 + ((diag(g1) Q S0 Q^T + A Xm^T) o G) V
+    S <- gC S0 + K^T diag(gl) K
+    W <- gC^2 W0 + gC S0 Q^T diag(gl) V + K^T diag(gl) Xm^T diag(gl) V
+
+Every exponent is <= 0, so no factor exceeds 1. The normalizer is one more value column of ones.
+The chunk is capped at T, so a large ``chunk_size`` on a short sequence allocates no more than
+the sequence needs.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..common.gates import chunk_local_cumsum
+from .state import HLA2State
+
+
+def _decays(beta, valid):
+    """G [.., C, C], g1, g2, gl [.., C], gC [..] from beta [B, H, NT, C] (valid: [NT, C] rows < T)."""
+    C = beta.shape[-1]
+    causal = torch.ones(C, C, dtype=torch.bool, device=beta.device).tril()
+    diff = beta[..., :, None] - beta[..., None, :]
+    G = torch.where(causal, torch.exp(torch.where(causal, diff, torch.zeros_like(diff))), torch.zeros_like(diff))
+    g1 = torch.exp(beta)
+    bL = beta[..., -1]  # padding adds log-gates 0, so the last row holds the chunk's total
+    gl = torch.where(valid, torch.exp(bL[..., None] - beta), torch.zeros_like(beta))
+    return G, g1, g1 * g1, gl, torch.exp(bL)
+
+
+def hla2_chunk_torch(q, k, v, g=None, initial_state=None, chunk_size=64):
+    """Unnormalized chunked HLA2 in torch.
+
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] log-gates or None (no decay), all in the
+    compute dtype; initial_state: (S [B, H, K, K], W [B, H, K, V]) or None.
+    Returns o [B, T, H, V] and the final (S, W) in the compute dtype."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = min(chunk_size, T)
+    NT = -(-T // C)
+    pad = NT * C - T
+    dt, dev = q.dtype, q.device
+
+    def chunks(x):  # [B, T, H, D] -> [B, H, NT, C, D]
+        x = x.transpose(1, 2)
+        if pad:
+            x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+        return x.reshape(B, H, NT, C, x.shape[-1])
+
+    Q, Kc, Vc = chunks(q), chunks(k), chunks(v)
+    valid = (torch.arange(NT * C, device=dev) < T).reshape(NT, C)
+    beta = chunk_local_cumsum(g, C) if g is not None else torch.zeros(B, H, NT, C, device=dev, dtype=dt)
+    G, g1, g2, gl, gC = _decays(beta, valid)
+    L = torch.ones(C, C, device=dev, dtype=torch.bool).tril()
+    zero = torch.zeros((), device=dev, dtype=dt)
+
+    X = Q @ Kc.transpose(-1, -2)                              # [B, H, NT, C, C]
+    A = torch.where(L, X * G, zero)
+    Xm = torch.where(L, X, zero)
+    AXm = A @ Xm.transpose(-1, -2)                            # sum_{i <= j} G[r, i] x[r, i] x[j, i]
+    Kg = Kc * gl[..., None]                                   # [B, H, NT, C, K]
+    Vg = Vc * gl[..., None]
+    dS = Kg.transpose(-1, -2) @ Kc                            # [B, H, NT, K, K]
+    QtVg = Q.transpose(-1, -2) @ Vg                           # [B, H, NT, K, V]
+    dW = Kg.transpose(-1, -2) @ (Xm.transpose(-1, -2) @ Vg)   # [B, H, NT, K, V]
+
+    if initial_state is None:
+        S, W = q.new_zeros(B, H, K, K), q.new_zeros(B, H, K, V)
+    else:
+        S, W = initial_state[0].to(dt), initial_state[1].to(dt)
+    S0s, W0s = [], []
+    for c in range(NT):  # the only sequential part: states at chunk starts
+        S0s.append(S)
+        W0s.append(W)
+        gc = gC[:, :, c, None, None]
+        W = gc * gc * W + gc * (S @ QtVg[:, :, c]) + dW[:, :, c]
+        S = gc * S + dS[:, :, c]
+    S0 = torch.stack(S0s, dim=2)  # [B, H, NT, K, K]
+    W0 = torch.stack(W0s, dim=2)  # [B, H, NT, K, V]
+
+    M = torch.where(L, ((g1[..., None] * (Q @ S0)) @ Q.transpose(-1, -2) + AXm) * G, zero)  # [B, H, NT, C, C]
+    O = g2[..., None] * (Q @ W0) + M @ Vc                     # [B, H, NT, C, V]
+    O = O.reshape(B, H, NT * C, V)[:, :, :T].transpose(1, 2)
+    return O, S, W
+
+
+def hla2_torch(q, k, v, g=None, normalize=False, eps=1e-6, initial_state=None, chunk_size=64):
+    """Torch backend entry. Computes in fp32 (float64 for float64 inputs).
+
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] log-gates or None; initial_state: HLA2State
+    or None. Returns (o [B, T, H, V] in v's dtype, HLA2State)."""
+    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qc, kc, vc = q.to(cd), k.to(cd), v.to(cd)
+    gc = None if g is None else g.to(cd)
+    V = v.shape[-1]
+    st = None
+    if normalize:
+        # the denominator is the numerator with v -> 1: carry it as one more value column
+        vc = torch.cat([vc, torch.ones_like(vc[..., :1])], dim=-1)
+        if initial_state is not None:
+            st = (initial_state.S, torch.cat([initial_state.W, initial_state.z[..., None]], dim=-1))
+    elif initial_state is not None:
+        st = (initial_state.S, initial_state.W)
+    o, S, W = hla2_chunk_torch(qc, kc, vc, gc, st, chunk_size)
+    if normalize:
+        o = o[..., :V] / (o[..., V:] + eps)
+        state = HLA2State(S, W[..., :V], W[..., V])
+    else:
+        state = HLA2State(S, W, None)
+    return o.to(v.dtype), state

@@ -1,0 +1,216 @@
+"""The operator contract: every hla_fast operator joins by adding itself to helpers.OPERATORS.
+
+For each member, on the Triton kernels (under TRITON_INTERPRET=1 on a CPU, compiled on CUDA) and
+on the torch backend: outputs and final state against the index sums (tests/ref/brute.py),
+hla_ref and the float64 torch path; every gradient (q, k, v, the log-gates g and the initial
+state, with cotangents on the final state too) against float64 autograd of the torch path; state
+carry-over and decode steps continuing a chunked prefill; the bad-input errors; and the faults
+found by using the ops as a user would. Kernel outputs are poisoned with NaN before each run.
+"""
+import pytest
+
+from .helpers import OPERATORS, decay_kwargs, rand_qkv, rand_state, rel, torch
+
+OPS = pytest.mark.parametrize("op", OPERATORS, ids=lambda o: o.name)
+KINDS = ["none", "gamma", "g"]
+# (B, T, H, K, V, chunk): one token, odd T, K != V, T below / equal to / above a chunk
+SHAPES = [(1, 1, 1, 16, 16, 16), (2, 37, 2, 20, 12, 16), (1, 45, 3, 7, 24, 16), (1, 64, 1, 32, 16, 32)]
+# fp32 kernels against float64: the products are fp32 (ieee on the interpreter, tf32x3 on a GPU)
+TOL = 1e-5
+
+
+def _f64(kw):
+    return {a: (b.double().cpu() if torch.is_tensor(b) else b) for a, b in kw.items()}
+
+
+def _state64(st):
+    return None if st is None else type(st)(*(None if x is None else x.double().cpu() for x in st))
+
+
+@OPS
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("normalize", [False, True])
+def test_forward_matches_definitions(op, shape, kind, normalize, device, poison):
+    B, T, H, K, V, C = shape
+    q, k, v = rand_qkv(B, T, H, K, V, seed=T + K, positive=normalize, device=device)
+    dk = decay_kwargs(kind, B, T, H, seed=T, device=device)
+    brute = op.brute(q, k, v, normalize=normalize, **dk)
+    o, st = op.op(q, k, v, normalize=normalize, chunk_size=C, backend="triton", output_final_state=True, **dk)
+    assert o.shape == v.shape and o.dtype == v.dtype
+    assert rel(o, brute) < TOL
+    assert rel(o, op.ref(q, k, v, normalize=normalize, **dk)) < TOL
+    # the torch path in float64 is exact to rounding: it is the reference of the gradient checks
+    o64, st64 = op.op(q.double().cpu(), k.double().cpu(), v.double().cpu(), normalize=normalize, backend="torch",
+                      output_final_state=True, **_f64(dk))
+    assert rel(o64, brute) < 1e-10
+    for field, a, b in zip(st._fields, st, st64):
+        assert (a is None) == (b is None) == (field == "z" and not normalize), field
+        if a is not None:
+            assert a.dtype == torch.float32 and rel(a, b) < TOL, field
+
+
+def _loss_grads(op, q, k, v, st0, dk, normalize, dtype, dev, backend, weights, C=16):
+    """Gradients of a random linear function of o and the final state w.r.t. every input."""
+    sd = torch.float64 if dtype == torch.float64 else torch.float32
+    leaves = [x.detach().to(dev, dtype).requires_grad_() for x in (q, k, v)]
+    kw = {}
+    if "g" in dk:
+        kw["g"] = dk["g"].detach().to(dev, sd).requires_grad_()
+    elif "gamma" in dk:
+        kw["gamma"] = dk["gamma"]
+    st = None
+    if st0 is not None:
+        st = type(st0)(*(None if x is None else x.detach().to(dev, sd).requires_grad_() for x in st0))
+    o, fin = op.op(*leaves, normalize=normalize, initial_state=st, output_final_state=True, chunk_size=C,
+                   backend=backend, **kw)
+    loss = (o.double() * weights[0].to(dev)).sum()
+    for x, w in zip(fin, weights[1:]):
+        if x is not None:
+            loss = loss + (x.double() * w.to(dev)).sum()
+    loss.backward()
+    grads = {"dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+    if "g" in kw:
+        grads["dg"] = kw["g"].grad
+    if st is not None:
+        for field, x in zip(st._fields, st):
+            if x is not None:
+                grads["d" + field + "0"] = x.grad
+    return o, fin, grads
+
+
+@OPS
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("init", [False, True])
+def test_gradients_match_float64(op, kind, normalize, init, device, poison):
+    B, T, H, K, V = 1, 37, 2, 12, 20
+    q, k, v = rand_qkv(B, T, H, K, V, seed=14, positive=normalize)
+    dk = decay_kwargs(kind, B, T, H, seed=15)
+    st0 = rand_state(op, B, H, K, V, normalize, seed=16) if init else None
+    gen = torch.Generator().manual_seed(17)
+    shapes = op.state_shapes(B, H, K, V, normalize)
+    weights = [torch.randn(B, T, H, V, generator=gen, dtype=torch.float64)]
+    weights += [None if s is None else torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes.values()]
+    o, fin, got = _loss_grads(op, q, k, v, st0, dk, normalize, torch.float32, device, "triton", weights)
+    o64, fin64, want = _loss_grads(op, q, k, v, st0, dk, normalize, torch.float64, "cpu", "torch", weights)
+    assert set(got) == set(want)
+    assert rel(o, o64) < TOL
+    for a, b in zip(fin, fin64):
+        if b is not None:
+            assert rel(a, b) < TOL
+    for name in want:
+        # dg is a reverse cumulative sum of differences of fp32 products: a few times fp32's rounding
+        assert rel(got[name], want[name]) < (1e-4 if name == "dg" else TOL), name
+
+
+@OPS
+@pytest.mark.parametrize("kind", KINDS)
+def test_torch_path_gradients_are_the_definitions(op, kind):
+    """The float64 torch path (the reference above) against autograd through the index sums."""
+    B, T, H, K, V = 1, 13, 2, 5, 3
+    q, k, v = rand_qkv(B, T, H, K, V, seed=18, dtype=torch.float64)
+    dk = _f64(decay_kwargs(kind, B, T, H, seed=19))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)] + ([dk["g"].clone().requires_grad_()] if "g" in dk else [])
+    kw = {"gamma": dk["gamma"]} if "gamma" in dk else ({"g": leaves[3]} if "g" in dk else {})
+    from hla_fast.ops.hla2.naive import hla2_naive_quadratic
+
+    w = torch.randn(B, T, H, V, dtype=torch.float64, generator=torch.Generator().manual_seed(20))
+    a = torch.autograd.grad((op.op(*leaves[:3], backend="torch", chunk_size=4, **kw)[0] * w).sum(), leaves)
+    b = torch.autograd.grad((hla2_naive_quadratic(*leaves[:3], **kw) * w).sum(), leaves)
+    for x, y in zip(a, b):
+        assert rel(x, y) < 1e-10
+
+
+@OPS
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_carry_over_and_decode_after_prefill(op, kind, normalize, backend, device, poison):
+    B, T, H, K, V = 2, 40, 2, 16, 12
+    q, k, v = rand_qkv(B, T, H, K, V, seed=21, positive=normalize, device=device)
+    dk = decay_kwargs(kind, B, T, H, seed=22, device=device)
+
+    def part(a, b):
+        return {n: (x[:, a:b] if torch.is_tensor(x) else x) for n, x in dk.items()}
+
+    want = op.ref(q, k, v, normalize=normalize, **dk)
+    kw = dict(normalize=normalize, chunk_size=16, backend=backend, output_final_state=True)
+    o1, st = op.op(q[:, :21], k[:, :21], v[:, :21], **kw, **part(0, 21))
+    o2, st = op.op(q[:, 21:37], k[:, 21:37], v[:, 21:37], initial_state=st, **kw, **part(21, 37))
+    outs = [o1, o2]
+    for t in range(37, T):  # decode continues the chunked prefill
+        step_kw = {n: (x[:, t] if torch.is_tensor(x) else x) for n, x in dk.items()}
+        y, st = op.step(q[:, t], k[:, t], v[:, t], st, normalize=normalize, backend=backend, **step_kw)
+        outs.append(y[:, None])
+    assert rel(torch.cat(outs, 1), want) < TOL
+    _, st_full = op.op(q, k, v, **kw, **dk)
+    for a, b in zip(st, st_full):
+        if b is not None:
+            assert rel(a, b) < TOL
+
+
+@OPS
+def test_decode_leaves_the_input_state_alone(op, device):
+    q, k, v = rand_qkv(1, 1, 2, 16, 16, seed=23, device=device)
+    st = rand_state(op, 1, 2, 16, 16, False, seed=24, device=device)
+    before = [None if x is None else x.clone() for x in st]
+    op.step(q[:, 0], k[:, 0], v[:, 0], st, gamma=0.9, backend="triton")
+    assert all(a is None or torch.equal(a, b) for a, b in zip(before, st))
+
+
+# ----------------------------------------------------------------------- faults found by use
+
+
+@OPS
+def test_second_derivative_through_triton_raises(op, device):
+    q, k, v = (x.requires_grad_() for x in rand_qkv(1, 20, 1, 16, 16, seed=25, device=device))
+    o, _ = op.op(q, k, v, gamma=0.9, chunk_size=16, backend="triton")
+    (gq,) = torch.autograd.grad(o.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|differentiate"):
+        torch.autograd.grad(gq.sum(), v)
+
+
+@OPS
+@pytest.mark.parametrize("kind", KINDS)
+def test_decode_on_triton_keeps_gradients(op, kind, device):
+    B, H, K, V = 2, 2, 8, 8
+    q, k, v = rand_qkv(B, 1, H, K, V, seed=26, device=device)
+    dk = {n: (x[:, 0] if torch.is_tensor(x) else x) for n, x in decay_kwargs(kind, B, 1, H, seed=27, device=device).items()}
+    if "g" in dk:
+        dk["g"].requires_grad_()
+    st = rand_state(op, B, H, K, V, False, seed=30, device=device)  # a zero state gives dg = 0
+    qq = q[:, 0].clone().requires_grad_()
+    o, _ = op.step(qq, k[:, 0], v[:, 0], st, backend="triton", **dk)
+    assert o.requires_grad
+    leaves = [qq] + ([dk["g"]] if "g" in dk else [])
+    got = torch.autograd.grad(o.sum(), leaves)
+    q64 = qq.detach().double().cpu().requires_grad_()
+    dk64 = {n: (x.detach().double().cpu().requires_grad_() if torch.is_tensor(x) else x) for n, x in dk.items()}
+    o64, _ = op.step(q64, k[:, 0].double().cpu(), v[:, 0].double().cpu(), _state64(st), backend="torch", **dk64)
+    want = torch.autograd.grad(o64.sum(), [q64] + ([dk64["g"]] if "g" in dk64 else []))
+    for a, b in zip(got, want):
+        assert rel(a, b) < TOL
+
+
+@OPS
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("which", ["q", "k"])
+def test_garbage_after_a_token_leaves_earlier_outputs_alone(op, backend, which, device):
+    """A NaN or Inf in q or k at token t (right padding, say) does not reach the outputs before t:
+    masks are selections. (v must stay finite: its rows enter a matrix product, see README.)"""
+    q, k, v = rand_qkv(1, 30, 2, 16, 8, seed=28, device=device)
+    bad = dict(q=q.clone(), k=k.clone(), v=v)
+    bad[which][:, 20, 0, 3] = float("nan")
+    bad[which][:, 25, 1, 0] = float("inf")
+    clean, _ = op.op(q, k, v, gamma=0.9, chunk_size=32, backend=backend)
+    dirty, _ = op.op(bad["q"], bad["k"], bad["v"], gamma=0.9, chunk_size=32, backend=backend)
+    assert torch.equal(dirty[:, :20], clean[:, :20])
+    assert not torch.isfinite(dirty[:, 20:]).all()
+
+
+@OPS
+def test_torch_backend_caps_the_chunk_at_T(op):
+    q, k, v = rand_qkv(1, 5, 1, 8, 8, seed=29)
+    o, _ = op.op(q, k, v, gamma=0.9, chunk_size=2 ** 20, backend="torch")  # would be a 4 TB tile uncapped
+    assert rel(o, op.ref(q, k, v, gamma=0.9)) < TOL

@@ -1,0 +1,141 @@
+"""GPU checks (marked ``gpu``; skipped without CUDA): long sequences, fp32 and bf16, constant decay
+and per-token gates, normalization, gradients, wide heads, decode.
+
+Truth: the torch backend in float64 on the GPU (itself checked against the index sums in
+test_contract.py). Kernel outputs are poisoned with NaN before each run; inputs are random,
+never zeros.
+"""
+import pytest
+
+from .helpers import rand_gates, rand_qkv, ref_hla2, rel, torch
+
+import hla_fast
+
+pytestmark = pytest.mark.gpu
+
+# relative error the precision explains: fp32 inputs take tf32x3 products (fp32-level error);
+# bf16 rounds every tensor-core operand to 8 bits of mantissa
+TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+
+def _decay(kind, B, T, H, dtype=torch.float32):
+    if kind == "gamma":
+        return {"gamma": 0.999}
+    return {"g": rand_gates(B, T, H, seed=T, strength=0.004, device="cuda", dtype=dtype)}
+
+
+def _ref64(q, k, v, **kw):
+    kw = {n: (x.double() if torch.is_tensor(x) else x) for n, x in kw.items()}
+    return hla_fast.hla2(q.double(), k.double(), v.double(), backend="torch", output_final_state=True, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1000, 4097, 32768])
+@pytest.mark.parametrize("kind", ["gamma", "g"])
+def test_long_forward(dtype, T, kind, poison):
+    q, k, v = rand_qkv(1, T, 2, 64, 64, seed=T, scale=0.3, device="cuda", dtype=dtype)
+    dk = _decay(kind, 1, T, 2)
+    want, st_want = _ref64(q, k, v, **dk)
+    o, st = hla_fast.hla2(q, k, v, output_final_state=True, **dk)
+    assert o.dtype == dtype
+    assert rel(o, want) < TOL[dtype]
+    assert rel(st.S, st_want.S) < TOL[dtype] and rel(st.W, st_want.W) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_hla_ref_on_gpu(dtype, poison):
+    q, k, v = rand_qkv(1, 300, 2, 32, 48, seed=1, device="cuda", dtype=dtype)
+    g = rand_gates(1, 300, 2, seed=2, strength=0.05, device="cuda")
+    assert rel(hla_fast.hla2(q, k, v, gamma=0.95)[0], ref_hla2(q, k, v, 0.95)) < TOL[dtype]
+    assert rel(hla_fast.hla2(q, k, v, g=g)[0], ref_hla2(q, k, v, g=g)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("K,V", [(16, 16), (96, 80), (128, 128), (48, 128), (128, 24), (256, 256), (200, 72)])
+def test_head_sizes(K, V, poison):
+    q, k, v = rand_qkv(1, 999, 2, K, V, seed=K + V, scale=0.15, device="cuda", dtype=torch.bfloat16)
+    g = rand_gates(1, 999, 2, seed=3, strength=0.01, device="cuda")
+    want, st_want = _ref64(q, k, v, g=g)
+    o, st = hla_fast.hla2(q, k, v, g=g, output_final_state=True)
+    assert rel(o, want) < TOL[torch.bfloat16]
+    assert rel(st.S, st_want.S) < TOL[torch.bfloat16] and rel(st.W, st_want.W) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_normalized_gated_and_carry_over(dtype, poison):
+    q, k, v = rand_qkv(2, 5000, 2, 64, 32, seed=3, positive=True, scale=0.3, device="cuda", dtype=dtype)
+    g = rand_gates(2, 5000, 2, seed=4, strength=0.02, device="cuda")
+    want, _ = _ref64(q, k, v, g=g, normalize=True)
+    o1, st = hla_fast.hla2(q[:, :2345], k[:, :2345], v[:, :2345], g=g[:, :2345], normalize=True, output_final_state=True)
+    o2, _ = hla_fast.hla2(q[:, 2345:], k[:, 2345:], v[:, 2345:], g=g[:, 2345:], normalize=True, initial_state=st)
+    assert rel(torch.cat([o1, o2], 1), want) < TOL[dtype]
+
+
+def _grads(q, k, v, g, S0, W0, do, dtype, backend, normalize, cfg=None):
+    """dq, dk, dv, dg, dS0, dW0 of sum(o * do), inputs cast to dtype (states and g fp32, float64 on float64)."""
+    sd = torch.float64 if dtype == torch.float64 else torch.float32
+    leaves = [x.detach().to(dtype if i < 3 else sd).requires_grad_() for i, x in enumerate((q, k, v, g, S0, W0))]
+    z0 = torch.zeros_like(leaves[5][..., 0]) if normalize else None
+    o, _ = hla_fast.hla2(*leaves[:3], g=leaves[3], initial_state=hla_fast.HLA2State(leaves[4], leaves[5], z0),
+                         normalize=normalize, backend=backend, config=cfg)
+    (o.double() * do).sum().backward()
+    return [x.grad for x in leaves]
+
+
+@pytest.mark.parametrize("dtype,K,V,normalize", [
+    (torch.bfloat16, 64, 64, False), (torch.bfloat16, 64, 128, False), (torch.bfloat16, 128, 64, True),
+    (torch.bfloat16, 128, 128, False), (torch.float32, 64, 32, True), (torch.float32, 64, 64, False),
+    (torch.bfloat16, 256, 192, False), (torch.float32, 160, 48, False),
+])
+def test_gradients(dtype, K, V, normalize, poison):
+    T, B, H = 2049, 1, 2
+    q, k, v = rand_qkv(B, T, H, K, V, seed=4, scale=0.2, positive=normalize, device="cuda", dtype=dtype)
+    g = rand_gates(B, T, H, seed=5, strength=0.01, device="cuda")
+    S0 = torch.rand(B, H, K, K, device="cuda") * 0.02
+    S0 = S0 + S0.transpose(-1, -2)
+    W0 = torch.randn(B, H, K, V, device="cuda") * 0.02
+    do = torch.randn(B, T, H, V, device="cuda", dtype=torch.float64)
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    got = _grads(q, k, v, g, S0, W0, do, dtype, "triton", normalize)
+    want = _grads(q, k, v, g, S0, W0, do, torch.float64, "torch", normalize)
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "dS0", "dW0"], got, want):
+        # dg_t = sum_{s >= t} (2 q.dq - k.dk/2 - 3 v.dv)_s: a reverse sum over T of products whose
+        # terms cancel, each carrying the bf16 error of dq, dk, dv: its relative error is about twice theirs
+        assert rel(a, b) < (2 * tol if name == "dg" else tol), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_segments_equal_one_walk(dtype, poison):
+    q, k, v = rand_qkv(2, 8191, 3, 64, 64, seed=6, scale=0.3, device="cuda", dtype=dtype)
+    g = rand_gates(2, 8191, 3, seed=7, strength=0.002, device="cuda")
+    st0 = hla_fast.HLA2State(torch.randn(2, 3, 64, 64, device="cuda") * 0.1, torch.randn(2, 3, 64, 64, device="cuda") * 0.1)
+    want, st_want = _ref64(q, k, v, g=g, initial_state=hla_fast.HLA2State(st0.S.double(), st0.W.double()))
+    base = hla_fast.hla2_config(2, 8191, 3, 64, 64, dtype, q.device)
+    for nseg in (1, 7, 128):
+        o, st = hla_fast.hla2(q, k, v, g=g, initial_state=st0, output_final_state=True,
+                              config=base.replace(fwd_segments=nseg))
+        assert rel(o, want) < TOL[dtype]
+        assert rel(st.S, st_want.S) < TOL[dtype] and rel(st.W, st_want.W) < TOL[dtype]
+    do = torch.randn(2, 8191, 3, 64, device="cuda", dtype=torch.float64)
+    ref = _grads(q, k, v, g, st0.S, st0.W, do, dtype, "triton", False, base.replace(bwd_segments=1))
+    for nseg in (3, 8):
+        got = _grads(q, k, v, g, st0.S, st0.W, do, dtype, "triton", False, base.replace(bwd_segments=nseg))
+        for a, b in zip(got, ref):
+            assert rel(a, b) < TOL[dtype]
+
+
+@pytest.mark.parametrize("K,V", [(128, 128), (96, 80), (256, 256)])
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("kind", ["gamma", "g"])
+def test_decode_gpu(K, V, normalize, kind, poison):
+    B, H = 8, 4
+    q, k, v = rand_qkv(B, 3, H, K, V, seed=K, positive=normalize, device="cuda")
+    g = rand_gates(B, 3, H, seed=8, device="cuda")
+    st_a = st_b = None
+    for t in range(3):
+        kw = {"gamma": 0.9} if kind == "gamma" else {"g": g[:, t]}
+        oa, st_a = hla_fast.hla2_step(q[:, t], k[:, t], v[:, t], st_a, normalize=normalize, **kw)
+        kw64 = {n: (x.double() if torch.is_tensor(x) else x) for n, x in kw.items()}
+        ob, st_b = hla_fast.hla2_step(q[:, t].double(), k[:, t].double(), v[:, t].double(), st_b,
+                                      normalize=normalize, backend="torch", **kw64)
+        assert rel(oa, ob) < 1e-5
+    assert rel(st_a.W, st_b.W) < 1e-5

@@ -1,0 +1,186 @@
+"""HLA2's own launchers (hla_fast/ops/hla2/chunk.py) beyond the operator contract: the cross
+operator the kernels compute, segments, gradient launches, kept or recomputed chunk states, wide
+heads, and the configuration rule. Under TRITON_INTERPRET=1 on a CPU, compiled on CUDA."""
+import importlib
+
+import pytest
+
+from .helpers import rand_gates, rand_qkv, ref_hla2, rel, torch
+
+import hla_fast
+from hla_fast import ChunkConfig
+
+chunk = importlib.import_module("hla_fast.ops.hla2.chunk")
+launch = importlib.import_module("hla_fast.ops.common.launch")
+
+TOL = 1e-5
+SMALL = ChunkConfig(fwd_chunk=16, bwd_chunk=16, fwd_block_v=16)
+
+
+def cross_definition(q, k, q2, k2, v, g=None):
+    """o_t = sum_{i <= j <= t} exp(2 b_t - b_i - b_j) (q_t . k_i)(q2_j . k2_i) v_j, straight from the
+    sum over (t, i, j) (float64 in, [B, T, H, V] out; differentiable)."""
+    B, T, H, _ = q.shape
+    b = torch.zeros(B, T, H, dtype=q.dtype) if g is None else g.cumsum(1)
+    t = torch.arange(T)
+    keep = (t[None, :, None] <= t[None, None, :]) & (t[None, None, :] <= t[:, None, None])  # [t, i, j]: i <= j <= t
+    expo = 2 * b[:, :, None, None] - b[:, None, :, None] - b[:, None, None, :]             # [B, t, i, j, H]
+    w = torch.where(keep[None, ..., None], torch.exp(torch.where(keep[None, ..., None], expo, 0.0)), 0.0)
+    x = torch.einsum("bthd,bihd->btih", q, k)
+    y = torch.einsum("bjhd,bihd->bjih", q2, k2)
+    return torch.einsum("btijh,btih,bjih,bjhv->bthv", w, x, y, v)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_cross_operator_and_its_gradients(gated, device, poison):
+    B, T, H, K, K2, V = 1, 23, 2, 12, 20, 8
+    q, k, v = rand_qkv(B, T, H, K, V, seed=1, device=device)
+    q2, k2, _ = rand_qkv(B, T, H, K2, V, seed=2, device=device)
+    g = rand_gates(B, T, H, seed=3, device=device) if gated else None
+    leaves = [x.detach().double().cpu().requires_grad_() for x in (q, k, q2, k2, v)]
+    want = cross_definition(*leaves, g=None if g is None else g.double().cpu())
+    o, _, sT, wT, _, _ = chunk.fwd_launch(q, k, v, g, None, None, None, None, chunk=16, segments=2, warps=4,
+                                          block_v=16, q2=q2, k2=k2)
+    assert rel(o, want) < TOL
+    do = torch.randn(B, T, H, V, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    grads = torch.autograd.grad((want * do).sum(), leaves)
+    got = chunk.bwd_launch(q, k, v, do.float().to(device), g, None, None, None, None, None, SMALL, q2=q2, k2=k2)
+    for name, a, b in zip(["dq", "dk", "dq2", "dk2", "dv"], [got[0], got[1], got[2], got[3], got[4]],
+                          [grads[0], grads[1], grads[2], grads[3], grads[4]]):
+        assert rel(a, b) < TOL, name
+
+
+def _inputs(device, T=45, K=16, V=24, seed=5):
+    q, k, v = rand_qkv(2, T, 2, K, V, seed=seed, positive=True, device=device)
+    g = rand_gates(2, T, 2, seed=seed, device=device)
+    S0 = 0.1 * torch.rand(2, 2, K, K, device=device)
+    return q, k, v, g, S0 + S0.transpose(-1, -2), 0.1 * torch.randn(2, 2, K, V, device=device), 0.1 * torch.rand(2, 2, K, device=device)
+
+
+@pytest.mark.parametrize("segments", [2, 3])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_segmented_forward_equals_one_walk(segments, normalize, device, poison):
+    q, k, v, g, S0, W0, z0 = _inputs(device)
+    kw = dict(chunk=16, warps=4, block_v=16, normalize=normalize, eps=1e-6)
+    a = chunk.fwd_launch(q, k, v, g, None, S0, W0, z0, segments=1, **kw)
+    b = chunk.fwd_launch(q, k, v, g, None, S0, W0, z0, segments=segments, **kw)
+    for x, y in zip(a[:5], b[:5]):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert rel(y, x) < 1e-6
+    sa = chunk.fwd_launch(q, k, v, g, None, S0, W0, None, segments=1, outputs=False, store_final=False,
+                          snapshots=torch.float32, chunk=16, warps=4, block_v=16)[5]
+    sb = chunk.fwd_launch(q, k, v, g, None, S0, W0, None, segments=segments, outputs=False, store_final=False,
+                          snapshots=torch.float32, chunk=16, warps=4, block_v=16)[5]
+    assert rel(sb[0], sa[0]) < 1e-6 and rel(sb[1], sa[1]) < 1e-6
+
+
+def _close(a, b, tol=1e-5):
+    """Two bwd_launch results: the same gradients present, each within tol (relative)."""
+    assert [x is None for x in a] == [y is None for y in b]
+    for x, y in zip(a, b):
+        if x is not None:
+            assert rel(x, y) < tol
+
+
+@pytest.mark.parametrize("segments", [2, 3])
+@pytest.mark.parametrize("cross", [False, True])
+def test_segmented_backward_equals_one_walk(segments, cross, device, poison):
+    q, k, v, g, S0, W0, _ = _inputs(device)
+    q2, k2 = (q.flip(-1).contiguous(), k.flip(-1).contiguous()) if cross else (None, None)
+    do = torch.randn_like(v)
+    dS, dW = torch.randn_like(S0), torch.randn_like(W0)
+    runs = [chunk.bwd_launch(q, k, v, do, g, None, S0, W0, dS, dW, SMALL.replace(bwd_segments=n), q2=q2, k2=k2,
+                             want_db=True) for n in (1, segments)]
+    _close(*runs)
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_gradient_launches_split_by_part(cross, device, poison):
+    """Every grouping of dq (1), dk (2), dv (4) over launches gives the same gradients and db."""
+    q, k, v, g, S0, W0, _ = _inputs(device, T=37)
+    q2, k2 = (q.flip(-1).contiguous(), k.flip(-1).contiguous()) if cross else (None, None)
+    do, dS = torch.randn_like(v), torch.randn_like(S0)
+    runs = [chunk.bwd_launch(q, k, v, do, g, None, S0, W0, dS, None,
+                             SMALL.replace(grad_parts=p), q2=q2, k2=k2, want_db=True)
+            for p in [(7,), (1, 2, 4), (1, 6), (3, 4), (5, 2)]]
+    for r in runs[1:]:
+        _close(runs[0], r)
+
+
+@pytest.mark.parametrize("save", [True, False])
+def test_kept_states_equal_recomputed(save, monkeypatch, device, poison):
+    """The forward keeps its chunk-start states for the backward (save_states) or the backward
+    recomputes them: the same gradients, and the recompute pass runs only when nothing was kept."""
+    q, k, v, g, S0, W0, _ = _inputs(device)
+    calls = []
+    fwd = chunk.fwd_launch
+    monkeypatch.setattr(chunk, "fwd_launch", lambda *a, **kw: calls.append(kw.get("outputs", True)) or fwd(*a, **kw))
+
+    def grads(cfg):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, g)]
+        o, _ = hla_fast.hla2(*leaves[:3], g=leaves[3], initial_state=hla_fast.HLA2State(S0, W0),
+                             backend="triton", config=cfg)
+        return torch.autograd.grad((o * v).sum(), leaves)
+
+    calls.clear()
+    a = grads(SMALL.replace(save_states=save))
+    assert (False in calls) == (not save)
+    b = grads(SMALL.replace(save_states=not save))
+    for x, y in zip(a, b):
+        assert rel(x, y) < 1e-6
+
+
+@pytest.mark.parametrize("K,V,normalize", [(140, 8, True), (150, 12, False), (20, 140, False), (20, 140, True)])
+def test_wide_heads_with_carry_over(K, V, normalize, device, poison):
+    q, k, v = rand_qkv(1, 30, 1, K, V, seed=K + V, scale=0.2, positive=normalize, device=device)
+    g = rand_gates(1, 30, 1, seed=6, device=device)
+    kw = dict(normalize=normalize, chunk_size=16, backend="triton", output_final_state=True)
+    o1, st = hla_fast.hla2(q[:, :17], k[:, :17], v[:, :17], g=g[:, :17], **kw)
+    o2, st = hla_fast.hla2(q[:, 17:], k[:, 17:], v[:, 17:], g=g[:, 17:], initial_state=st, **kw)
+    assert rel(torch.cat([o1, o2], 1), ref_hla2(q, k, v, normalize=normalize, g=g)) < TOL
+    _, st64 = hla_fast.hla2(q.double().cpu(), k.double().cpu(), v.double().cpu(), g=g.double().cpu(), normalize=normalize,
+                            backend="torch", output_final_state=True)
+    for a, b in zip(st, st64):
+        if b is not None:
+            assert rel(a, b) < TOL
+
+
+@pytest.mark.parametrize("K", [129, 140, 200, 256])
+def test_feature_blocks_tile_the_head(K):
+    blocks = chunk._feature_blocks(K)
+    assert blocks[0][0] == 0 and blocks[-1][1] == K
+    assert all(a1 == b0 for (_, a1), (b0, _) in zip(blocks, blocks[1:]))
+    assert max(b - a for a, b in blocks) <= chunk.FEATURE_BLOCK
+
+
+def test_configuration_rule(monkeypatch):
+    """The rule of hla2_config on an H200-sized device (132 multiprocessors) and on the CPU."""
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    c = hla_fast.hla2_config(4, 32768, 16, 64, 64, torch.bfloat16, cuda)
+    # 64 heads: 4 segments put 256 four-warp programs in one wave of 264
+    assert (c.fwd_chunk, c.bwd_chunk, c.fwd_warps, c.fwd_segments, c.bwd_segments) == (64, 64, 4, 4, 4)
+    assert c.save_states and c.grad_parts == (1, 6)
+    c = hla_fast.hla2_config(4, 32768, 16, 128, 128, torch.bfloat16, cuda)
+    # 128 eight-warp programs (two value blocks a head), one a multiprocessor: one segment
+    assert (c.fwd_chunk, c.bwd_chunk, c.fwd_warps, c.fwd_segments, c.bwd_segments) == (32, 32, 8, 1, 1)
+    c = hla_fast.hla2_config(4, 32768, 16, 64, 128, torch.bfloat16, cuda)
+    # 64-wide keys keep 64 x 64 tiles and 4 warps: the backward runs two value blocks, so nothing is kept
+    assert (c.fwd_warps, c.bwd_warps, c.fwd_segments, c.bwd_segments, c.save_states) == (4, 4, 2, 4, False)
+    assert chunk.bwd_value_width(64) == 64 and chunk.bwd_value_width(65) == chunk.bwd_value_width(128) == 128
+    c = hla_fast.hla2_config(1, 1280, 2, 64, 64, torch.bfloat16, cuda)
+    assert c.fwd_segments == 5  # few heads: many segments, but at least 4 chunks each
+    c = hla_fast.hla2_config(4, 32768, 16, 64, 64, torch.float32, cpu, chunk_size=128)
+    assert (c.fwd_chunk, c.bwd_chunk, c.fwd_segments, c.bwd_segments, c.save_states) == (128, 64, 1, 1, False)
+
+
+def test_config_reaches_the_backward(monkeypatch, device):
+    """The configuration a call was given is the one its backward runs with."""
+    seen = []
+    bwd = chunk.bwd_launch
+    monkeypatch.setattr(chunk, "bwd_launch", lambda *a, **kw: seen.append(a[10]) or bwd(*a, **kw))
+    q, k, v = (x.requires_grad_() for x in rand_qkv(1, 20, 1, 16, 16, seed=7, device=device))
+    cfg = SMALL.replace(grad_parts=(1, 2, 4), bwd_segments=2)
+    hla_fast.hla2(q, k, v, gamma=0.9, backend="triton", config=cfg)[0].sum().backward()
+    assert seen == [cfg]

@@ -1,0 +1,173 @@
+"""Bad input gives a clear error that names the offending argument, for every operator of the
+contract (helpers.OPERATORS) and on both backends where the check is the backend's."""
+import pytest
+
+from .helpers import OPERATORS, rand_qkv, rand_state, torch
+
+import hla_fast
+
+OPS = pytest.mark.parametrize("op", OPERATORS, ids=lambda o: o.name)
+
+
+def _qkv(B=1, T=5, H=2, K=8, V=4, **kw):
+    return rand_qkv(B, T, H, K, V, **kw)
+
+
+@OPS
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_mismatched_shapes(op, backend):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="k must have q's shape"):
+        op.op(q, k[..., :4], v, backend=backend)
+    with pytest.raises(ValueError, match="v must share q's leading dims"):
+        op.op(q, k, v[:, :3], backend=backend)
+    with pytest.raises(ValueError, match=r"q must have shape \[B, T, H, K\]"):
+        op.op(q[0], k, v, backend=backend)
+    with pytest.raises(ValueError, match=r"q must have shape \[B, H, K\]"):
+        op.step(q, k, v, backend=backend)
+
+
+@OPS
+def test_not_tensors_wrong_dtypes_devices(op, device):
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="v must be a torch.Tensor"):
+        op.op(q, k, v.numpy())
+    with pytest.raises(TypeError, match="k has dtype"):
+        op.op(q, k.double(), v)
+    with pytest.raises(TypeError, match="v has dtype"):
+        op.step(q[:, 0], k[:, 0], v[:, 0].half())
+    with pytest.raises(TypeError, match="q, k, v must be float"):
+        op.op(*(x.to(torch.int32) for x in (q, k, v)))
+    with pytest.raises(TypeError, match="backend='triton' takes float32"):
+        op.op(*(x.to(device, torch.float64) for x in (q, k, v)), backend="triton")
+    with pytest.raises(ValueError, match="k is on meta"):
+        op.op(q, k.to("meta"), v)
+    with pytest.raises(ValueError, match="v is on meta"):
+        op.step(q[:, 0], k[:, 0], v[:, 0].to("meta"))
+
+
+@OPS
+def test_sizes(op):
+    with pytest.raises(ValueError, match="K=257 is too large"):
+        op.op(*_qkv(K=257))
+    with pytest.raises(ValueError, match="V=300 is too large"):
+        op.op(*_qkv(V=300))
+    with pytest.raises(ValueError, match="V=257 is too large"):
+        op.op(*_qkv(V=257), backend="triton")
+    with pytest.raises(ValueError, match="T = 0"):
+        op.op(*_qkv(T=0))
+
+
+@OPS
+@pytest.mark.parametrize("gamma", [0.0, -0.5, 1.5, float("nan")])
+def test_gamma_out_of_range(op, gamma):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="gamma"):
+        op.op(q, k, v, gamma=gamma)
+    with pytest.raises(ValueError, match="gamma"):
+        op.step(q[:, 0], k[:, 0], v[:, 0], gamma=gamma)
+
+
+@OPS
+@pytest.mark.parametrize("gamma", ["0.9", True, [0.9]])
+def test_gamma_wrong_type(op, gamma):
+    with pytest.raises(TypeError, match="gamma"):
+        op.op(*_qkv(), gamma=gamma)
+
+
+@OPS
+def test_learnable_gamma_is_refused_with_a_pointer_to_g(op):
+    q, k, v = _qkv()
+    gamma = torch.tensor(0.9, requires_grad=True)
+    with pytest.raises(TypeError, match="gamma is a tensor that requires grad.*pass log-gates g"):
+        op.op(q, k, v, gamma=gamma)
+    with pytest.raises(ValueError, match="gamma must be a single number"):
+        op.op(q, k, v, gamma=torch.tensor([0.9, 0.8]))
+    o, _ = op.op(q, k, v, gamma=torch.tensor(0.9))  # a plain 0-d tensor is a number
+    assert torch.isfinite(o).all()
+
+
+@OPS
+def test_bad_gates(op):
+    q, k, v = _qkv(B=1, T=5, H=2)
+    g = -0.1 * torch.rand(1, 5, 2)
+    with pytest.raises(ValueError, match="either gamma .* or g"):
+        op.op(q, k, v, gamma=0.9, g=g)
+    with pytest.raises(ValueError, match=r"g must have shape \[B, T, H\] = \[1, 5, 2\] \(no broadcasting\)"):
+        op.op(q, k, v, g=g[:, :, :1])
+    with pytest.raises(ValueError, match=r"g must have shape \[B, H\]"):
+        op.step(q[:, 0], k[:, 0], v[:, 0], g=g)
+    with pytest.raises(TypeError, match="g must be a torch.Tensor"):
+        op.op(q, k, v, g=g.numpy())
+    with pytest.raises(TypeError, match="g must be a float tensor"):
+        op.op(q, k, v, g=g.to(torch.int64))
+    with pytest.raises(ValueError, match="g must hold finite log-gates <= 0"):
+        op.op(q, k, v, g=-g)
+    with pytest.raises(ValueError, match="g must hold finite log-gates <= 0"):
+        op.op(q, k, v, g=torch.full_like(g, float("-inf")))
+    with pytest.raises(ValueError, match="g is on meta"):
+        op.op(q, k, v, g=g.to("meta"))
+
+
+@OPS
+def test_flags_and_numbers(op, device):
+    q, k, v = _qkv(device=device)
+    with pytest.raises(ValueError, match="eps"):
+        op.op(q, k, v, eps=-1.0)
+    with pytest.raises(ValueError, match="eps must be a finite float"):
+        op.op(q, k, v, eps=float("inf"))
+    with pytest.raises(TypeError, match="eps"):
+        op.op(q, k, v, eps="1e-6")
+    with pytest.raises(TypeError, match="normalize must be True or False"):
+        op.op(q, k, v, normalize="yes")
+    with pytest.raises(TypeError, match="normalize must be True or False"):
+        op.step(q[:, 0], k[:, 0], v[:, 0], normalize=1)
+    with pytest.raises(TypeError, match="output_final_state must be True or False"):
+        op.op(q, k, v, output_final_state="no")
+    with pytest.raises(ValueError, match="backend must be"):
+        op.op(q, k, v, backend="cuda")
+    with pytest.raises(ValueError, match="chunk_size"):
+        op.op(q, k, v, chunk_size=48, backend="triton")
+    with pytest.raises(ValueError, match="chunk_size"):
+        op.op(q.cpu(), k.cpu(), v.cpu(), chunk_size=0, backend="torch")
+    with pytest.raises(TypeError, match="chunk_size"):
+        op.op(q, k, v, chunk_size=16.0)
+    with pytest.raises(TypeError, match="config must be a ChunkConfig"):
+        op.op(q, k, v, backend="triton", config={"fwd_chunk": 16})
+
+
+def test_config_fields_are_checked():
+    cfg = hla_fast.ChunkConfig()
+    for field, bad in [("fwd_chunk", 48), ("bwd_chunk", True), ("fwd_segments", 0), ("bwd_warps", 3),
+                       ("fwd_block_v", 24), ("grad_parts", (1, 2)), ("grad_parts", (3, 6)), ("grad_parts", [7])]:
+        with pytest.raises(ValueError, match=f"config.{field}"):
+            cfg.replace(**{field: bad})
+    with pytest.raises(TypeError, match="config.save_states"):
+        cfg.replace(save_states=1)
+
+
+@OPS
+def test_cpu_tensors_to_triton_without_interpreter(op, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
+        op.op(q, k, v, backend="triton")
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
+        op.step(q[:, 0], k[:, 0], v[:, 0], backend="triton")
+
+
+@OPS
+def test_bad_states(op):
+    q, k, v = _qkv(B=1, H=2, K=8, V=4)
+    good = rand_state(op, 1, 2, 8, 4, False)
+    first = good._fields[0]
+    with pytest.raises(ValueError, match=rf"initial_state.{first} must have shape \[1, 2, 8, 8\]"):
+        op.op(q, k, v, initial_state=good._replace(**{first: torch.zeros(1, 2, 8, 9)}))
+    with pytest.raises(TypeError, match=rf"initial_state.{first} must be torch.float32"):
+        op.op(q, k, v, initial_state=good._replace(**{first: getattr(good, first).double()}))
+    with pytest.raises(ValueError, match="initial_state.z is None.*normalize=True"):
+        op.op(q, k, v, normalize=True, initial_state=good)
+    with pytest.raises(TypeError, match=f"initial_state must be a {op.State.__name__}"):
+        op.op(q, k, v, initial_state=torch.zeros(3))
+    with pytest.raises(ValueError, match=r"state.W must have shape \[1, 2, 8, 4\]"):
+        op.step(q[:, 0], k[:, 0], v[:, 0], good._replace(W=torch.zeros(1, 2, 8, 8)))
