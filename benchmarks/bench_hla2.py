@@ -742,8 +742,7 @@ NOTES = [
     "uses normalize=True on |q|, |k| (positive features keep the denominator positive).",
     "FLOPs are counted with the chunk size the default config uses for the forward (hla2_flop_chunk: 64 at "
     "K=V<=64, 32 above).",
-    "Calls with log-gates g include hla_fast's input check of g (g <= 0 and finite, reduced on the device and "
-    "read back by the host: one synchronization per call, hla_fast/ops/common/checks.py check_gates).",
+    "Log-gates g are checked for shape, dtype and device on CUDA; their values (<= 0, finite) only off CUDA, since reading the check back would synchronize the device every call (hla_fast/ops/common/checks.py, check_gates).",
     "First-call rows run in parallel subprocesses (first_call_setup.jobs at a time) while the accuracy section "
     "runs (unless --no-overlap): the compile times include that sharing of the CPUs, so they are an upper side.",
 ]
@@ -915,8 +914,7 @@ def main():
         "sms": torch.cuda.get_device_properties(0).multi_processor_count if CUDA else None,
         "cpus": os.cpu_count(),
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-                     "python": platform.python_version(), "flash-linear-attention": fla_version,
-                     "hla_fast_path": os.path.dirname(hla_fast.__file__)},
+                     "python": platform.python_version(), "flash-linear-attention": fla_version},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "dtype": "bfloat16",
         "args": vars(args),

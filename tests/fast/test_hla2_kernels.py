@@ -157,6 +157,7 @@ def test_feature_blocks_tile_the_head(K):
 def test_configuration_rule(monkeypatch):
     """The rule of hla2_config on an H200-sized device (132 multiprocessors) and on the CPU."""
     monkeypatch.setattr(launch, "sm_count", lambda device: 132)
+    hla_fast.hla2_config.cache_clear()  # the rule's results are cached per shape and device
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     c = hla_fast.hla2_config(4, 32768, 16, 64, 64, torch.bfloat16, cuda)
     # 64 heads: 4 segments put 256 four-warp programs in one wave of 264
@@ -173,6 +174,7 @@ def test_configuration_rule(monkeypatch):
     assert c.fwd_segments == 5  # few heads: many segments, but at least 4 chunks each
     c = hla_fast.hla2_config(4, 32768, 16, 64, 64, torch.float32, cpu, chunk_size=128)
     assert (c.fwd_chunk, c.bwd_chunk, c.fwd_segments, c.bwd_segments, c.save_states) == (128, 64, 1, 1, False)
+    hla_fast.hla2_config.cache_clear()
 
 
 def test_config_reaches_the_backward(monkeypatch, device):

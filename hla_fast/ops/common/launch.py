@@ -37,6 +37,13 @@ def min_value_block(device: torch.device) -> int:
     return 64 if device.type == "cuda" else 16
 
 
+def min_key_block(device: torch.device) -> int:
+    """Narrowest key tile on ``device``: 64 on CUDA (a first forward + backward at K = 32 in bf16,
+    on 32-wide key tiles, hit an illegal memory access on an H200 with Triton 3.6; narrower keys are
+    masked into a 64-wide tile, whose zeros cost time but no accuracy), 16 under the interpreter."""
+    return 64 if device.type == "cuda" else 16
+
+
 def bf16_dots(dtype: torch.dtype) -> bool:
     """Whether the dots take bf16 operands: for bf16 inputs, except under the interpreter (whose
     bf16 dot is unreliable, so its tiles are widened to fp32). fp16 inputs are widened to fp32 in

@@ -24,13 +24,15 @@ blocks in the backward (the operator is linear in v).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.autograd.function import once_differentiable
 
 from ..common.config import ChunkConfig
 from ..common.gates import log_gamma, reverse_cumsum
 from ..common.launch import (
-    bf16_dots, cdiv, dot_precision, even_blocks, min_value_block, one_wave_segments, pow2_block,
+    bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments, pow2_block,
     split_segments,
 )
 from .chunk_kernels import (
@@ -55,6 +57,7 @@ def bwd_value_width(K: int) -> int:
     return TILE_MAX if pow2_block(K) > 64 else 64
 
 
+@functools.lru_cache(maxsize=4096)
 def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: torch.device,
                 chunk_size: int = 64) -> ChunkConfig:
     """The default layout for one call, by the measurements in ``benchmarks/results/``
@@ -73,7 +76,7 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     * the forward keeps its chunk-start states for the backward when both use one chunk size and
       the backward runs one value block.
     Off CUDA (the interpreter) every walk is one segment. K is the width of one program's key
-    tile (a feature block of a wider head)."""
+    tile (a feature block of a wider head). The result is immutable, so it is cached per shape."""
     wide = max(K, V) > 64
     fwd_chunk = min(chunk_size, 32) if wide else chunk_size
     bwd_chunk = min(chunk_size, 32 if wide else 64)
@@ -112,7 +115,7 @@ def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v
     k2 = k if k2 is None else k2
     K2 = q2.shape[-1]
     BH, dev, f32 = B * H, q.device, torch.float32
-    BK = pow2_block(max(K, K2))
+    BK = pow2_block(max(K, K2), min_key_block(q.device))
     BV = min(pow2_block(V, min_value_block(dev)), block_v)
     NV, NT = cdiv(V, BV), cdiv(T, chunk)
     NS, nseg = split_segments(NT, segments)
@@ -194,7 +197,7 @@ def bwd_launch(q, k, v, do, g, gamma, s0, w0, dht_s, dht_w, cfg: ChunkConfig, *,
     K2 = q2.shape[-1]
     BH, dev, f32 = B * H, q.device, torch.float32
     BT, nw = cfg.bwd_chunk, cfg.bwd_warps
-    BK = pow2_block(max(K, K2))
+    BK = pow2_block(max(K, K2), min_key_block(q.device))
     BV = pow2_block(V, min_value_block(dev))
     NT = cdiv(T, BT)
     snap = torch.bfloat16 if (cfg.bf16_snapshots and bf16_dots(q.dtype)) else f32

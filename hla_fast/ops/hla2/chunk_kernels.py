@@ -85,6 +85,21 @@ def _chunk_carry(b_kt, b_k2, b_q2t, b_ym, b_v, S, W, z, gl, gC,
 
 
 @triton.jit
+def _carry_tiles(k, q2, k2, v, g, off_k, off_k2, off_v, off_g, log_gamma, t, mt, rk, mk, mk2, rv, mv, upper,
+                 H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                 HAS_G: tl.constexpr, HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr):
+    """What carrying the state across one chunk reads: K^T and Q2^T [BK, BT], K2 [BT, BK], V [BT, BV],
+    the decay factors, and Ym = (K2 Q2^T) o U [BT, BT] (its own dot, keeping i <= j)."""
+    b_kt = load_cols(k + off_k, t, mt, rk, mk, H * K, IS_BF16)
+    b_q2t = load_cols(q2 + off_k2, t, mt, rk, mk2, H * K2, IS_BF16)
+    b_k2 = load_rows(k2 + off_k2, t, mt, rk, mk2, H * K2, IS_BF16)
+    b_v = load_rows(v + off_v, t, mt, rv, mv, H * V, IS_BF16)
+    G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
+    b_ym = tl.where(upper, tl.dot(b_k2, b_q2t, input_precision=PREC), 0.0)
+    return b_kt, b_q2t, b_k2, b_v, b_ym, G, g1, g2, gl, gC, bL
+
+
+@triton.jit
 def _head_offsets(i_bh, T, H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr):
     """Offsets of head i_bh's first element in [B, T, H, K], [.., K2], [.., V] and [B, T, H]
     tensors (64-bit: B*T*H*K can pass 2^31)."""
@@ -146,14 +161,10 @@ def hla2_fwd_kernel(
     for i_c in range(lo, hi):
         t = i_c * BT + rt
         mt = t < T
-        # -- load the chunk: K^T and Q2^T [BK, BT], K2 [BT, BK], V [BT, BV] -------------
-        b_kt = load_cols(k + off_k, t, mt, rk, mk, H * K, IS_BF16)
-        b_q2t = load_cols(q2 + off_k2, t, mt, rk, mk2, H * K2, IS_BF16)
-        b_k2 = load_rows(k2 + off_k2, t, mt, rk, mk2, H * K2, IS_BF16)
-        b_v = load_rows(v + off_v, t, mt, rv, mv, H * V, IS_BF16)
-        G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
-        # Y = K2 Q2^T by its own dot; Ym keeps i <= j
-        b_ym = tl.where(upper, tl.dot(b_k2, b_q2t, input_precision=PREC), 0.0)     # [BT, BT]
+        # -- the chunk's tiles, decay factors and Ym ----------------------------------------
+        b_kt, b_q2t, b_k2, b_v, b_ym, G, g1, g2, gl, gC, bL = _carry_tiles(
+            k, q2, k2, v, g, off_k, off_k2, off_v, off_g, log_gamma, t, mt, rk, mk, mk2, rv, mv, upper,
+            H, K, K2, V, BT, HAS_G, HAS_DECAY, IS_BF16, PREC)
 
         if SAVE_STATES:
             # the state at this chunk's start (S once, by the first value block)
@@ -222,12 +233,9 @@ def hla2_fwd_summary_kernel(
     for i_c in range(lo, hi):
         t = i_c * BT + rt
         mt = t < T
-        b_kt = load_cols(k + off_k, t, mt, rk, mk, H * K, IS_BF16)
-        b_q2t = load_cols(q2 + off_k2, t, mt, rk, mk2, H * K2, IS_BF16)
-        b_k2 = load_rows(k2 + off_k2, t, mt, rk, mk2, H * K2, IS_BF16)
-        b_v = load_rows(v + off_v, t, mt, rv, mv, H * V, IS_BF16)
-        G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
-        b_ym = tl.where(upper, tl.dot(b_k2, b_q2t, input_precision=PREC), 0.0)
+        b_kt, b_q2t, b_k2, b_v, b_ym, G, g1, g2, gl, gC, bL = _carry_tiles(
+            k, q2, k2, v, g, off_k, off_k2, off_v, off_g, log_gamma, t, mt, rk, mk, mk2, rv, mv, upper,
+            H, K, K2, V, BT, HAS_G, HAS_DECAY, IS_BF16, PREC)
         S, W, z, b_qtv, b_qg = _chunk_carry(b_kt, b_k2, b_q2t, b_ym, b_v, S, W, z, gl, gC, NORM, IS_BF16, PREC)
         C = C * gC + b_qtv
         if NORM:
