@@ -250,7 +250,8 @@ def hla2_scan(Q, K, V, *, gamma=1.0, normalize: bool = False, eps: float = 1e-6)
 
 def hla2_chunked(Q, K, V, *, chunk_size: int = 64, gamma=1.0, normalize: bool = False,
                  eps: float = 1e-6, return_state: bool = False):
-    """Second-order HLA by chunks (hla-math sec. 6): what a GPU kernel computes.
+    """Second-order HLA by chunks: what a GPU kernel computes (derived at gamma = 1 in
+    notebooks/06_chunk_parallel.ipynb, section 2, "The chunk step as matrix products").
 
     For one chunk of c tokens (rows Q, K, V), state (S, W) before it, X = Q K^T,
     local positions tau = 1..c, g = gamma^tau, Gamma_p[t, u] = gamma^(p (t-u)) for u <= t::

@@ -431,7 +431,10 @@ def hla3_chunked(Q, K, V, *, chunk_size: int = 64, gamma=1.0, normalize: bool = 
     """Third-order HLA by chunks: dense work inside a chunk, a carried state across chunks.
 
     masked: state (S, P, F), d^2 + 2 d dv numbers; at gamma = 1 the chunk output is
-    O = Q F + ((Q S Q^T + X Wc^T) o L)(Q P + Wc V) (hla-math sec. 6).
+    O = Q F + ((Q S Q^T + X Wc^T) o L)(Q P + Wc V): the recurrence
+    F_t = F_{t-1} + (S_t q_t)(q_t^T P_t) of notebooks/08_third_order.ipynb, section 3, summed over
+    a chunk the way notebooks/06_chunk_parallel.ipynb, section 2 does at second order, with
+    q_t^T S_u q_u = (Q S Q^T + X Wc^T)[t, u] and q_u^T P_u = (Q P + Wc V)[u] inside the chunk.
     paper: state (S^K, S^Q, P, F); no d^3 map is needed when chunks run in order, because the
     earlier S^Q is known when a chunk is processed (the map only serves a fully parallel scan).
     ``gamma``: a float in (0, 1] or an array (n,) of per-token factors; inside a chunk every

@@ -1,10 +1,15 @@
 """The project's own files agree with each other: README, CI script, pyproject, environment.yml."""
 
+import importlib.util
+import json
+import os
 import pathlib
 import re
 import subprocess
 import sys
 import tomllib
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -44,3 +49,102 @@ def test_hla_ref_imports_without_torch():
     code = "import sys, hla_ref; print('torch' in sys.modules or 'triton' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def _min_python(spec: str) -> tuple[int, ...]:
+    m = re.fullmatch(r"\s*>=\s*(\d+(?:\.\d+)*)\s*", spec)
+    assert m, f"expected a plain '>=X.Y' Python requirement, got {spec!r}"
+    return tuple(int(x) for x in m.group(1).split("."))
+
+
+def test_python_requirement_is_one_and_true():
+    """pyproject, environment.yml and the README name the same minimum Python, and it is one the
+    suite runs on (this file imports tomllib, new in 3.11)."""
+    pyproject = _min_python(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"])
+    conda = re.findall(r"^\s+- python\s*(>=[\d.]+)\s*$", (ROOT / "environment.yml").read_text(), flags=re.M)
+    assert len(conda) == 1, "environment.yml must pin python as 'python>=X.Y'"
+    readme = re.findall(r"Python (?:≥|>=) ?(\d+(?:\.\d+)+)", (ROOT / "README.md").read_text())
+    assert readme, "README.md must say which Python it needs ('Python ≥ X.Y')"
+    assert {_min_python(conda[0])} | {_min_python(">=" + v) for v in readme} == {pyproject}
+    assert pyproject >= (3, 11), "tomllib (imported by the tests) needs Python 3.11"
+
+
+def _extras(command: str) -> set[str]:
+    m = re.search(r'-e "\.\[([\w,]+)\]"', command)
+    return set(m.group(1).split(",")) if m else set()
+
+
+def test_tutorial_install_lines_bring_what_the_notebooks_import():
+    """The README's tutorial command and notebook 00's install line name the same extras, and those
+    cover the notebooks' imports (notebook 09 imports torch: the fast extra)."""
+    tutorial = [c for c in _readme_commands() if "jupyter lab" in c]
+    assert tutorial and all(_extras(c) == {"notebooks", "fast"} for c in tutorial), tutorial
+    nb00 = json.loads((ROOT / "notebooks" / "00_map.ipynb").read_text())
+    text = "".join("".join(c["source"]) for c in nb00["cells"] if c["cell_type"] == "markdown")
+    lines = re.findall(r'pip install -e "\.\[[\w,]+\]"', text)
+    assert lines and all(_extras(ln) == {"notebooks", "fast"} for ln in lines), lines
+    sources = "".join("".join(c["source"]) for nb in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+                      for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code")
+    if re.search(r"^\s*import torch|^\s*import hla_fast", sources, flags=re.M):
+        assert "fast" in _extras(lines[0])
+
+
+def test_readme_says_how_to_run_jupyterlab_as_root():
+    assert "--allow-root" in (ROOT / "README.md").read_text()
+
+
+def test_ci_installs_the_browser_before_the_test_command():
+    """tests/test_browser.py needs Chromium (installed by .ci/run) and Playwright (the test extra)."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    test_cmd = [c for c in _readme_commands() if "pytest" in c][0]
+    assert "apt-get install" in ci and "chromium" in ci[: ci.index(test_cmd)]
+    test_extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    assert "playwright" in _requirement_names(test_extra)
+
+
+def _python_examples():
+    return re.findall(r"```python\n(.*?)\n```", (ROOT / "README.md").read_text(), flags=re.S)
+
+
+def test_readme_has_a_cpu_example_of_hla_fast():
+    cpu = [c for c in _python_examples() if "hla_fast" in c and "cuda" not in c]
+    assert len(cpu) == 1, "README.md must give one hla_fast example that runs on a CPU"
+    assert 'backend="torch"' in cpu[0] and "g=" in cpu[0]
+
+
+@pytest.mark.parametrize("index", range(len(_python_examples())))
+def test_readme_python_example_runs(index, tmp_path):
+    """Every Python example of the README runs as written (the GPU one only where CUDA is)."""
+    code = _python_examples()[index]
+    needs = [m for m in ("torch", "hla_fast") if re.search(rf"^import .*\b{m}\b", code, flags=re.M)]
+    if needs and importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed (the fast extra)")
+    if "cuda" in code:
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("the README's GPU example needs a CUDA device")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}   # as a reader runs it
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, f"README example {index} failed:\n{code}\n{out.stderr[-3000:]}"
+
+
+def test_no_tracked_file_cites_a_document_outside_the_repository():
+    """Every reference a reader meets resolves inside the repository: the old external derivation
+    notes are cited nowhere (the name is assembled here so that this file does not contain it)."""
+    name = ("hla" + "-math").encode()
+    try:
+        files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    offenders = []
+    for rel in filter(None, files.decode().split("\0")):
+        path = ROOT / rel
+        if not path.is_file():
+            continue
+        data = path.read_bytes()
+        if b"\0" in data[:8192]:
+            continue                                    # binary
+        if name in data.lower():
+            offenders.append(rel)
+    assert not offenders, f"files citing {name.decode()!r}, a document not in the repository: {offenders}"
