@@ -90,26 +90,6 @@ from .third_order import (
 
 __version__ = "0.1.0"
 
-
-def _resolve_field_types(namespace) -> None:
-    """Give the state and segment tuples their field types as types, not strings.
-
-    Their modules use ``from __future__ import annotations``, so a NamedTuple's fields arrive as
-    ``ForwardRef('np.ndarray')``, which is what help() would show for every field. Resolve them
-    once, in the module that declared each tuple; ``help(hla_ref.HLA2State)`` then reads
-    ``S: numpy.ndarray``.
-    """
-    import typing
-
-    for obj in list(namespace.values()):
-        if isinstance(obj, type) and issubclass(obj, tuple) and hasattr(obj, "_fields"):
-            hints = typing.get_type_hints(obj)
-            obj.__annotations__ = hints
-            obj.__new__.__annotations__ = {name: hints[name] for name in obj._fields}
-
-
-_resolve_field_types(globals())
-
 __all__ = [
     "published",
     "causal_mask", "softmax_attention", "linear_attention",

@@ -11,7 +11,6 @@ index i still adds nothing), and every recurrence multiplies by a_t at step t.
 Shapes: Q, K (n, d); V (n, dv); outputs (n, dv).
 """
 
-from __future__ import annotations
 
 from typing import NamedTuple
 

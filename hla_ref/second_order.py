@@ -16,7 +16,6 @@ a constant gamma is the case b_t = (t + 1) log gamma.
 Shapes: Q, K (n, d); V (n, dv); outputs (n, dv). States are decayed to the last token seen.
 """
 
-from __future__ import annotations
 
 from typing import NamedTuple
 

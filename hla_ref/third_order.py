@@ -18,7 +18,6 @@ exp(3 b_t - b_i - b_u - b_j); every recurrence multiplies by a_t at step t where
 by gamma (a_t^2, a_t^3 where it multiplied by gamma^2, gamma^3).
 """
 
-from __future__ import annotations
 
 from typing import NamedTuple
 
