@@ -1,15 +1,20 @@
 """Property-based checks of the Triton path against the index sums (tests/ref/brute.py): random
 shapes, decay or gates, normalization, chunk sizes, segments and a cut with state carry-over.
-Under TRITON_INTERPRET=1 on a CPU (few examples: each runs the kernels in Python)."""
+Under TRITON_INTERPRET=1 on a CPU (few examples: each runs the kernels in Python). Skipped on a
+GPU: K and V are compile-time constants of the kernels, so every drawn shape would be a fresh
+compile; test_contract.py and test_gpu.py cover the GPU."""
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from .conftest import DEVICE
+from .conftest import DEVICE, HAS_CUDA
 from .helpers import brute_hla2, rand_gates, rand_qkv, rel, torch
 
 import hla_fast
 from hla_fast import ChunkConfig
+
+pytestmark = pytest.mark.skipif(HAS_CUDA, reason="every drawn shape is a fresh compile on a GPU; covered there by "
+                                                 "test_contract.py and test_gpu.py")
 
 
 @settings(max_examples=40)

@@ -44,7 +44,7 @@ from ..common.tiles import (
 
 
 @triton.jit
-def _chunk_output(b_q, b_kt, b_q2t, b_ym, b_v, S, W, z, G, g1, g2, lower,
+def _chunk_output(b_q, b_kt, b_q2t, b_ym, b_v, S, W, z, G, g1, g2,
                   NORM: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr):
     """Outputs of one chunk: O [BT, BV] = diag(g2) Q W0 + M V, and den [BT] = diag(g2) Q z0 + M 1
     when NORM (else a dummy 0)."""
@@ -144,7 +144,6 @@ def hla2_fwd_kernel(
     rk = tl.arange(0, BK)                # key features (padded to a power of two)
     rv = i_v * BV + tl.arange(0, BV)     # this program's value features
     mk, mk2, mv = rk < K, rk < K2, rv < V
-    lower = rt[:, None] >= rt[None, :]   # L: column <= row
     upper = rt[:, None] <= rt[None, :]   # U: column >= row
     lo = i_n * NS
     hi = tl.minimum(lo + NS, NT)
@@ -173,7 +172,7 @@ def hla2_fwd_kernel(
             store_mat(cs_w + (i_bh.to(tl.int64) * NT + i_c) * K * V, W, rk, mk, rv, mv, V)
         if HAS_O:
             b_q = load_rows(q + off_k, t, mt, rk, mk, H * K, IS_BF16)               # [BT, BK]
-            b_o, b_den = _chunk_output(b_q, b_kt, b_q2t, b_ym, b_v, S, W, z, G, g1, g2, lower,
+            b_o, b_den = _chunk_output(b_q, b_kt, b_q2t, b_ym, b_v, S, W, z, G, g1, g2,
                                        NORM, IS_BF16, PREC)
             if NORM:
                 b_o = b_o / (b_den + eps)[:, None]
@@ -434,7 +433,6 @@ def hla2_bwd_state_kernel(
     rk = tl.arange(0, BK)
     rv = tl.arange(0, BV)
     mk, mk2, mv = rk < K, rk < K2, rv < V
-    lower = rt[:, None] >= rt[None, :]
     d_s = mat_or_zeros(de_s, i_sg * K * K2, rk, mk, rk, mk2, K2, BK, BK, HAS_DHT)
     d_w = mat_or_zeros(de_w, i_sg * K * V, rk, mk, rv, mv, V, BK, BV, HAS_DHT)
     if SUMMARY:
