@@ -33,7 +33,7 @@ it measured. The ``targets`` section lists every target, met or not, with the nu
     python benchmarks/bench_hla2.py --out benchmarks/results --tag h200      # the H200 run (~7 min)
     python benchmarks/bench_hla2.py --quick                                  # small sizes, GPU smoke run
     python benchmarks/bench_hla2.py --selftest                               # pure functions, no GPU
-    python benchmarks/bench_hla2.py --cpu-smoke --out /tmp/hla_smoke         # every section on the CPU
+    python benchmarks/bench_hla2.py --cpu-smoke --out smoke-results           # every section on the CPU
                                                   # under the Triton interpreter, tiny shapes (no timing value)
 """
 from __future__ import annotations

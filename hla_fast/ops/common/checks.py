@@ -170,11 +170,12 @@ def state_dtype(q_dtype):
 
 
 def check_state_parts(state, cls, want: dict, optional: set, device, name: str, dtype):
-    """Validate a state NamedTuple ``cls`` against ``want`` = {field: shape}.
+    """Validate a state NamedTuple ``cls`` against ``want`` = {field: shape, or None for a field
+    this call does not use}.
 
-    Fields in ``optional`` may be None only when their shape is None in ``want`` (not needed by
-    this call); a needed field that is None, a wrong shape, device or dtype raises naming the
-    field. Returns ``cls`` with the unneeded fields set to None."""
+    A used field that is None, or of the wrong type, shape, device or dtype, raises naming the
+    field; the message for a missing field in ``optional`` (those only some calls keep, such as z
+    for normalization) says which states carry it. Returns ``cls`` with the unused fields None."""
     if state is None:
         return None
     if not isinstance(state, tuple) or len(state) != len(cls._fields):

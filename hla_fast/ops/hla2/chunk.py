@@ -93,6 +93,23 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
                        save_states=fwd_chunk == bwd_chunk and V <= bwd_value_width(K), bf16_snapshots=True)
 
 
+def _inner_pair(q, k, q2, k2):
+    """The inner pair (q2, k2) (q, k for plain HLA2), its width K2 and the key tile BK."""
+    q2 = q if q2 is None else q2
+    k2 = k if k2 is None else k2
+    return q2, k2, q2.shape[-1], pow2_block(max(q.shape[-1], q2.shape[-1]), min_key_block(q.device))
+
+
+def _bwd_width(q, q2):
+    """Widest value block of one backward program for the key tile of (q, q2)."""
+    return bwd_value_width(max(q.shape[-1], (q if q2 is None else q2).shape[-1]))
+
+
+def _snapshot_dtype(cfg: ChunkConfig, dtype: torch.dtype) -> torch.dtype:
+    """dtype of the per-chunk snapshots the backward reads as dot operands."""
+    return torch.bfloat16 if (cfg.bf16_snapshots and bf16_dots(dtype)) else torch.float32
+
+
 def _common(q, gamma, g):
     """Constexprs and scalars every launch shares."""
     return dict(HAS_DECAY=g is not None or gamma is not None, IS_BF16=bf16_dots(q.dtype),
@@ -111,11 +128,8 @@ def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v
     (cs_s [B*H, NT, K, K2], cs_w [B*H, NT, K, V]) or None)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    q2 = q if q2 is None else q2
-    k2 = k if k2 is None else k2
-    K2 = q2.shape[-1]
+    q2, k2, K2, BK = _inner_pair(q, k, q2, k2)
     BH, dev, f32 = B * H, q.device, torch.float32
-    BK = pow2_block(max(K, K2), min_key_block(q.device))
     BV = min(pow2_block(V, min_value_block(dev)), block_v)
     NV, NT = cdiv(V, BV), cdiv(T, chunk)
     NS, nseg = split_segments(NT, segments)
@@ -147,7 +161,7 @@ def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v
     if snapshots is not None:
         cs = (torch.empty(BH, NT, K, K2, device=dev, dtype=snapshots), torch.empty(BH, NT, K, V, device=dev, dtype=snapshots))
     hla2_fwd_kernel[(NV, nseg, BH)](
-        q=q, k=k, q2=q2, k2=k2, v=v, g=g, o=o, den=den if normalize else None,
+        q=q, k=k, q2=q2, k2=k2, v=v, g=g, o=o, den=den,
         h0_s=h0[0], h0_w=h0[1], h0_z=h0[2], ht_s=ht[0], ht_w=ht[1], ht_z=ht[2],
         cs_s=None if cs is None else cs[0], cs_w=None if cs is None else cs[1],
         log_gamma=lg, eps=eps, T=T, NS=NS, **kw)
@@ -184,7 +198,7 @@ def bwd_launch(q, k, v, do, g, gamma, s0, w0, dht_s, dht_w, cfg: ChunkConfig, *,
     Returns dq, dk, dq2, dk2 (None unless cross; input dtypes), dv, dS0, dW0 (fp32, None without
     s0), db (or None)."""
     V = v.shape[-1]
-    width = bwd_value_width(max(q.shape[-1], (q if q2 is None else q2).shape[-1]))
+    width = _bwd_width(q, q2)
     if V > width:
         def block(vb, dob, w0b, dhtb, first):
             return bwd_launch(q, k, vb, dob, g, gamma, s0, w0b, dht_s if first else None, dhtb, cfg,
@@ -192,15 +206,12 @@ def bwd_launch(q, k, v, do, g, gamma, s0, w0, dht_s, dht_w, cfg: ChunkConfig, *,
         return _value_split(block, v, do, w0, dht_w, width)
     B, T, H, K = q.shape
     cross = q2 is not None
-    q2 = q if q2 is None else q2
-    k2 = k if k2 is None else k2
-    K2 = q2.shape[-1]
+    q2, k2, K2, BK = _inner_pair(q, k, q2, k2)
     BH, dev, f32 = B * H, q.device, torch.float32
     BT, nw = cfg.bwd_chunk, cfg.bwd_warps
-    BK = pow2_block(max(K, K2), min_key_block(q.device))
     BV = pow2_block(V, min_value_block(dev))
     NT = cdiv(T, BT)
-    snap = torch.bfloat16 if (cfg.bf16_snapshots and bf16_dots(q.dtype)) else f32
+    snap = _snapshot_dtype(cfg, q.dtype)
     if states is None or states[0].dtype != snap:
         states = fwd_launch(q, k, v, g, gamma, s0, w0, None, chunk=BT, segments=cfg.fwd_segments, warps=nw,
                             block_v=cfg.fwd_block_v, q2=q2, k2=k2, outputs=False, store_final=False,
@@ -271,8 +282,8 @@ class HLA2ChunkFunction(torch.autograd.Function):
         V = v.shape[-1]
         grads = any(ctx.needs_input_grad[:9])
         save = (grads and cfg.save_states and not normalize and cfg.fwd_chunk == cfg.bwd_chunk
-                and V <= bwd_value_width(max(q.shape[-1], (q if q2 is None else q2).shape[-1])))
-        snap = (torch.bfloat16 if (cfg.bf16_snapshots and bf16_dots(q.dtype)) else torch.float32) if save else None
+                and V <= _bwd_width(q, q2))
+        snap = _snapshot_dtype(cfg, q.dtype) if save else None
         o, den, sT, wT, zT, cs = fwd_launch(
             q, k, v, g, gamma, s0, w0, z0, chunk=cfg.fwd_chunk, segments=cfg.fwd_segments, warps=cfg.fwd_warps,
             block_v=cfg.fwd_block_v, q2=q2, k2=k2, normalize=normalize, eps=eps, snapshots=snap)

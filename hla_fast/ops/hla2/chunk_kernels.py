@@ -100,6 +100,15 @@ def _carry_tiles(k, q2, k2, v, g, off_k, off_k2, off_v, off_g, log_gamma, t, mt,
 
 
 @triton.jit
+def _feature_ranges(i_v, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Key features rk [BK] (padded to a power of two), value features rv [BV] of value block i_v,
+    and their masks: rk < K, rk < K2 (the inner pair's width), rv < V."""
+    rk = tl.arange(0, BK)
+    rv = i_v * BV + tl.arange(0, BV)
+    return rk, rv, rk < K, rk < K2, rv < V
+
+
+@triton.jit
 def _head_offsets(i_bh, T, H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr):
     """Offsets of head i_bh's first element in [B, T, H, K], [.., K2], [.., V] and [B, T, H]
     tensors (64-bit: B*T*H*K can pass 2^31)."""
@@ -141,9 +150,7 @@ def hla2_fwd_kernel(
     NT = tl.cdiv(T, BT)
     off_k, off_k2, off_v, off_g = _head_offsets(i_bh, T, H, K, K2, V)
     rt = tl.arange(0, BT)                # rows of a chunk
-    rk = tl.arange(0, BK)                # key features (padded to a power of two)
-    rv = i_v * BV + tl.arange(0, BV)     # this program's value features
-    mk, mk2, mv = rk < K, rk < K2, rv < V
+    rk, rv, mk, mk2, mv = _feature_ranges(i_v, K, K2, V, BK, BV)   # key / this block's value features
     upper = rt[:, None] <= rt[None, :]   # U: column >= row
     lo = i_n * NS
     hi = tl.minimum(lo + NS, NT)
@@ -214,9 +221,7 @@ def hla2_fwd_summary_kernel(
     NT = tl.cdiv(T, BT)
     off_k, off_k2, off_v, off_g = _head_offsets(i_bh, T, H, K, K2, V)
     rt = tl.arange(0, BT)
-    rk = tl.arange(0, BK)
-    rv = i_v * BV + tl.arange(0, BV)
-    mk, mk2, mv = rk < K, rk < K2, rv < V
+    rk, rv, mk, mk2, mv = _feature_ranges(i_v, K, K2, V, BK, BV)
     upper = rt[:, None] <= rt[None, :]
     lo = i_n * NS
     hi = tl.minimum(lo + NS, NT)
@@ -268,9 +273,7 @@ def hla2_fwd_fold_kernel(
 
         W <- rho^2 W + rho S C_seg + W_seg,   z <- rho^2 z + rho S Cz_seg + z_seg,   S <- rho S + S_seg."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    rk = tl.arange(0, BK)
-    rv = i_v * BV + tl.arange(0, BV)
-    mk, mk2, mv = rk < K, rk < K2, rv < V
+    rk, rv, mk, mk2, mv = _feature_ranges(i_v, K, K2, V, BK, BV)
     S = mat_or_zeros(h0_s, i_bh.to(tl.int64) * K * K2, rk, mk, rk, mk2, K2, BK, BK, HAS_INIT)
     W = mat_or_zeros(h0_w, i_bh.to(tl.int64) * K * V, rk, mk, rv, mv, V, BK, BV, HAS_INIT)
     if NORM:
@@ -430,9 +433,7 @@ def hla2_bwd_state_kernel(
     i_sg = i_bh.to(tl.int64) * NSEG + i_n
     off_k, off_k2, off_v, off_g = _head_offsets(i_bh, T, H, K, K2, V)
     rt = tl.arange(0, BT)
-    rk = tl.arange(0, BK)
-    rv = tl.arange(0, BV)
-    mk, mk2, mv = rk < K, rk < K2, rv < V
+    rk, rv, mk, mk2, mv = _feature_ranges(0, K, K2, V, BK, BV)
     d_s = mat_or_zeros(de_s, i_sg * K * K2, rk, mk, rk, mk2, K2, BK, BK, HAS_DHT)
     d_w = mat_or_zeros(de_w, i_sg * K * V, rk, mk, rv, mv, V, BK, BV, HAS_DHT)
     if SUMMARY:
@@ -483,9 +484,7 @@ def hla2_bwd_fold_kernel(
     """Fold the backward summaries from the last segment to the first (the transpose of the
     forward's fold, P = C^T):  dS <- rho dS + rho dW P + dS_seg,  dW <- rho^2 dW + dW_seg."""
     i_bh = tl.program_id(0)
-    rk = tl.arange(0, BK)
-    rv = tl.arange(0, BV)
-    mk, mk2, mv = rk < K, rk < K2, rv < V
+    rk, rv, mk, mk2, mv = _feature_ranges(0, K, K2, V, BK, BV)
     d_s = mat_or_zeros(dht_s, i_bh.to(tl.int64) * K * K2, rk, mk, rk, mk2, K2, BK, BK, HAS_DHT)
     d_w = mat_or_zeros(dht_w, i_bh.to(tl.int64) * K * V, rk, mk, rv, mv, V, BK, BV, HAS_DHT)
     for i_r in range(0, NSEG):
@@ -544,9 +543,7 @@ def hla2_bwd_grad_kernel(
     NT = tl.cdiv(T, BT)
     off_k, off_k2, off_v, off_g = _head_offsets(i_bh, T, H, K, K2, V)
     rt = tl.arange(0, BT)
-    rk = tl.arange(0, BK)
-    rv = tl.arange(0, BV)
-    mk, mk2, mv = rk < K, rk < K2, rv < V
+    rk, rv, mk, mk2, mv = _feature_ranges(0, K, K2, V, BK, BV)
     lower = rt[:, None] >= rt[None, :]
     upper = rt[:, None] <= rt[None, :]
     t = i_c * BT + rt

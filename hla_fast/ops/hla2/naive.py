@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import torch
 
-import math
-
+from ..common.gates import log_gamma
 from .state import HLA2State
 
 
@@ -25,8 +24,7 @@ def _log_gates(q, gamma, g):
     """[B, T, H] log-gates in q's dtype from a constant gamma or g (zeros for neither)."""
     if g is not None:
         return g.to(q.dtype)
-    lg = 0.0 if gamma is None else math.log(float(gamma))
-    return torch.full(q.shape[:-1], lg, dtype=q.dtype, device=q.device)
+    return torch.full(q.shape[:-1], log_gamma(gamma), dtype=q.dtype, device=q.device)
 
 
 def hla2_naive_quadratic(q, k, v, gamma=None, normalize=False, eps=1e-6, g=None):
