@@ -13,6 +13,9 @@ pytest.importorskip("triton")
 import hla_ref  # noqa: E402
 
 import hla_fast  # noqa: E402
+from hla_fast.ops.ahla.naive import ahla_naive_quadratic  # noqa: E402
+from hla_fast.ops.hla2.naive import hla2_naive_quadratic  # noqa: E402
+from hla_fast.ops.hla3.naive import hla3_naive_quadratic  # noqa: E402
 
 
 def rand_qkv(B, T, H, K, V, *, seed=0, scale=0.5, positive=False, dtype=None, device="cpu"):
@@ -73,6 +76,33 @@ def brute_hla2(q, k, v, gamma=None, normalize=False, eps=1e-6, g=None):
     return _per_head(brute.hla2, q, k, v, gamma, g, normalize, eps)
 
 
+def ref_ahla(q, k, v, gamma=None, normalize=False, eps=1e-6, g=None):
+    """hla_ref.ahla_naive in float64, per batch and head. Returns [B, T, H, V] float64."""
+    return _per_head(hla_ref.ahla_naive, q, k, v, gamma, g, normalize, eps)
+
+
+def brute_ahla(q, k, v, gamma=None, normalize=False, eps=1e-6, g=None):
+    """The index-sum definition of tests/ref/brute.py: ahla (float64, O(T^3) memory: small T
+    only), per batch and head. Returns [B, T, H, V] float64."""
+    from ref import brute
+
+    return _per_head(brute.ahla, q, k, v, gamma, g, normalize, eps)
+
+
+def ref_hla3(q, k, v, gamma=None, normalize=False, eps=1e-6, g=None):
+    """hla_ref.hla3_naive (the masked operator) in float64, per batch and head. Returns
+    [B, T, H, V] float64."""
+    return _per_head(hla_ref.hla3_naive, q, k, v, gamma, g, normalize, eps)
+
+
+def brute_hla3(q, k, v, gamma=None, normalize=False, eps=1e-6, g=None):
+    """The index-sum definition of tests/ref/brute.py: hla3, masked (float64, O(T^4) memory:
+    small T only), per batch and head. Returns [B, T, H, V] float64."""
+    from ref import brute
+
+    return _per_head(brute.hla3, q, k, v, gamma, g, normalize, eps)
+
+
 def rel(a, b):
     """||a - b|| / ||b|| in float64; NaN anywhere fails."""
     a = a.detach().double().cpu()
@@ -97,7 +127,8 @@ class _NaNTorch:
         return out.fill_(float("nan")) if out.is_floating_point() else out
 
 
-KERNEL_MODULES = ["hla_fast.ops.hla2.chunk", "hla_fast.ops.hla2.decode"]
+KERNEL_MODULES = ["hla_fast.ops.hla2.chunk", "hla_fast.ops.hla2.decode", "hla_fast.ops.ahla.chunk",
+                  "hla_fast.ops.ahla.decode", "hla_fast.ops.hla3.chunk", "hla_fast.ops.hla3.decode"]
 
 
 def poison_kernel_buffers(monkeypatch):
@@ -118,12 +149,27 @@ class Operator:
     state_shapes: Callable  # (B, H, K, V, normalize) -> {field: shape or None}
     ref: Callable           # hla_ref form, per head (ref_hla2's signature)
     brute: Callable         # index sums, per head
+    norm_fields: frozenset = frozenset({"z"})  # state fields that exist only when normalizing
+    naive: Callable = None  # plain torch O(T^2) form naive(q, k, v, gamma=, g=) (the torch path's gradient check)
+    # a non-finite q or k at token t leaves the outputs before t alone; False: only those of the
+    # chunks before t's (the operator feeds a row computed from q_t, k_t into a matrix product)
+    garbage_within_chunk: bool = True
 
 
 OPERATORS = [
     Operator("hla2", hla_fast.hla2, hla_fast.hla2_step, hla_fast.HLA2State,
              lambda B, H, K, V, norm: {"S": (B, H, K, K), "W": (B, H, K, V), "z": (B, H, K) if norm else None},
-             ref_hla2, brute_hla2),
+             ref_hla2, brute_hla2, naive=hla2_naive_quadratic),
+    Operator("ahla", hla_fast.ahla, hla_fast.ahla_step, hla_fast.AHLAState,
+             lambda B, H, K, V, norm: {"P": (B, H, K, V), "E": (B, H, K, V), "p": (B, H, K) if norm else None,
+                                       "e": (B, H, K) if norm else None},
+             ref_ahla, brute_ahla, norm_fields=frozenset({"p", "e"}), naive=ahla_naive_quadratic,
+             garbage_within_chunk=False),
+    Operator("hla3", hla_fast.hla3, hla_fast.hla3_step, hla_fast.HLA3State,
+             lambda B, H, K, V, norm: {"S": (B, H, K, K), "P": (B, H, K, V), "F": (B, H, K, V),
+                                       "p": (B, H, K) if norm else None, "f": (B, H, K) if norm else None},
+             ref_hla3, brute_hla3, norm_fields=frozenset({"p", "f"}), naive=hla3_naive_quadratic,
+             garbage_within_chunk=False),
 ]
 
 
@@ -135,7 +181,7 @@ def rand_state(op, B, H, K, V, normalize, *, seed=0, scale=0.2, device="cpu", dt
         if shape is None:
             parts[field] = None
             continue
-        x = torch.rand(shape, generator=gen) if field == "z" else torch.randn(shape, generator=gen)
+        x = torch.rand(shape, generator=gen) if field in op.norm_fields else torch.randn(shape, generator=gen)
         if len(shape) == 4 and shape[-1] == shape[-2] and field == "S":
             x = 0.5 * (x + x.transpose(-1, -2))
         parts[field] = (scale * x).to(device=device, dtype=dtype)

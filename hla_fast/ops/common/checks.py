@@ -199,3 +199,40 @@ def check_state_parts(state, cls, want: dict, optional: set, device, name: str, 
             raise TypeError(f"{name}.{field} must be {dtype}, got {x.dtype}")
         parts[field] = x
     return cls(**parts)
+
+
+def check_call(q, k, v, gamma, g, normalize, eps, backend, seq: bool, op: str = "", triton_max_k=None):
+    """The checks an operator's sequence call and its decode step share.
+
+    q, k: [B, T, H, K], v: [B, T, H, V] (seq) or [B, H, K] / [B, H, V] (one step); g: None or
+    log-gates [B, T, H] ([B, H] for one step). ``triton_max_k`` (with the operator's name ``op``
+    for the message): the widest key head the operator's Triton kernels take, None for no limit.
+
+    Returns ((B, T, H, K, V), gamma, g, eps, backend) with gamma a float or None and backend
+    resolved to "triton" or "torch"."""
+    dims = check_qkv(q, k, v, seq=seq)
+    gamma = check_gamma(gamma)
+    g = check_gates(g, gamma, q, seq=seq)
+    check_flag(normalize, "normalize")
+    eps = check_eps(eps)
+    backend = check_backend(backend, q.device)
+    if backend == "triton":
+        check_kernel_dtype(q)
+        if triton_max_k is not None and dims[3] > triton_max_k:
+            raise ValueError(f"{op} on backend='triton' takes q, k head sizes K <= {triton_max_k}, got K={dims[3]} "
+                             "(use backend='torch' for wider heads)")
+    return dims, gamma, g, eps, backend
+
+
+def check_state(state, cls, want: dict, optional: set, q, name: str):
+    """:func:`check_state_parts` for a state that must sit on q's device in the state dtype of q
+    (fp32, float64 on the float64 torch path). ``want`` = {field: shape or None}, e.g.
+    {"S": (B, H, K, K), "z": (B, H, K) if normalize else None}. Returns ``cls`` or None."""
+    return check_state_parts(state, cls, want, optional, q.device, name, state_dtype(q.dtype))
+
+
+def zero_state(cls, want: dict, q):
+    """A state ``cls`` of zeros in the state dtype of q on q's device: each field of ``want``
+    = {field: shape or None} with a shape gets zeros of that shape, the others None."""
+    sd = state_dtype(q.dtype)
+    return cls(**{f: None if want[f] is None else q.new_zeros(want[f], dtype=sd) for f in cls._fields})

@@ -54,3 +54,39 @@ def chunk_local_cumsum(g: torch.Tensor, chunk: int) -> torch.Tensor:
 def reverse_cumsum(db: torch.Tensor, dim: int = 1) -> torch.Tensor:
     """sum_{s >= t} db_s along ``dim``: the gradient of the log-gates g from that of b = cumsum(g)."""
     return db.flip(dim).cumsum(dim).flip(dim)
+
+
+def chunk_decay_tiles(beta: torch.Tensor, valid: torch.Tensor):
+    """The torch side of ``tiles.chunk_decays``: from beta [B, H, NT, C] (chunk_local_cumsum) and
+    valid [NT, C] (rows < T), the factors G [B, H, NT, C, C] (exp(beta_r - beta_j) for j <= r, else
+    0), g1 = exp(beta) and gl = exp(beta_L - beta) (0 on padding), both [B, H, NT, C], and
+    gC = exp(beta_L) [B, H, NT]. Every exponent taken is <= 0 (selections, no exp of a positive
+    difference above the diagonal), so the gradient through them stays finite too."""
+    C = beta.shape[-1]
+    causal = torch.ones(C, C, dtype=torch.bool, device=beta.device).tril()
+    diff = beta[..., :, None] - beta[..., None, :]
+    zero = torch.zeros_like(diff)
+    G = torch.where(causal, torch.exp(torch.where(causal, diff, zero)), zero)
+    bL = beta[..., -1]  # padding adds log-gates 0, so the last row holds the chunk's total
+    gl = torch.where(valid, torch.exp(bL[..., None] - beta), torch.zeros_like(beta))
+    return G, torch.exp(beta), gl, torch.exp(bL)
+
+
+def log_gates_like(q: torch.Tensor, gamma, g) -> torch.Tensor:
+    """[B, T, H] log-gates in q's dtype (q: [B, T, H, K]) from g [B, T, H] or a constant gamma
+    (zeros for neither): the dense form the plain references use."""
+    if g is not None:
+        return g.to(q.dtype)
+    return torch.full(q.shape[:-1], log_gamma(gamma), dtype=q.dtype, device=q.device)
+
+
+def causal_decay_matrix(b: torch.Tensor):
+    """From cumulative log-gates b [..., T]: causal [T, T] (bool, row >= column) and the decay
+    matrix [..., T, T] with exp(b_r - b_c) on and below the diagonal and 0 above it (every exponent
+    taken is <= 0 for log-gates <= 0; above the diagonal a selection, not an exp)."""
+    T = b.shape[-1]
+    t = torch.arange(T, device=b.device)
+    causal = t[:, None] >= t[None, :]  # [T, T], row >= column
+    diff = b[..., :, None] - b[..., None, :]
+    zero = torch.zeros_like(diff)
+    return causal, torch.where(causal, torch.exp(torch.where(causal, diff, zero)), zero)

@@ -141,3 +141,17 @@ def chunk_factors(g, g_off, log_gamma, t, mt, H: tl.constexpr, BT: tl.constexpr,
     """``chunk_decays(chunk_beta(...))``: G, g1, g2, gl, gC, bL of the chunk with tokens ``t``."""
     beta = chunk_beta(g, g_off, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
     return chunk_decays(beta, mt, BT, HAS_DECAY)
+
+
+@triton.jit
+def chunk_decays_t(beta, BT: tl.constexpr, HAS_DECAY: tl.constexpr):
+    """The transpose of ``chunk_decays``' G, built from beta [BT] rather than transposed:
+    GT [BT, BT] with GT[c, r] = G[r, c] = exp(beta_r - beta_c) for c <= r, else 0. A kernel that
+    needs a product with G^T forms it from its own tiles (never a transposed dot result)."""
+    rt = tl.arange(0, BT)
+    upper = rt[:, None] <= rt[None, :]
+    if HAS_DECAY:
+        GT = tl.where(upper, tl.exp(tl.where(upper, beta[None, :] - beta[:, None], 0.0)), 0.0)
+    else:
+        GT = tl.where(upper, 1.0, 0.0)
+    return GT

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ..common.launch import cdiv, next_pow2
+from ..common.step import step_factors, step_gamma, step_inputs, step_output, step_state_buffers
 from .state import HLA2State
 
 
@@ -96,38 +97,29 @@ def hla2_step_triton(q, k, v, state, g, gamma, normalize, eps):
     # K = V = 128 (16 rows: 85%, 8 rows: 78%; benchmarks/results/hla2_h200.md, decode)
     BR = min(32 if max(BK, BV) <= 128 else 8, BK)
     NR = cdiv(K, BR)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    S, W = state.S.contiguous(), state.W.contiguous()
-    z = state.z.contiguous() if normalize else None
-    s_out, w_out = torch.empty_like(S), torch.empty_like(W)
-    z_out = torch.empty_like(z) if normalize else None
+    q, k, v, g = step_inputs(q, k, v, g)
+    (S, W, z), (s_out, w_out, z_out) = step_state_buffers(state, normalize, ("z",))
     o_part = torch.empty(B * H, NR, V, device=q.device, dtype=torch.float32)
     d_part = torch.empty(B * H, NR, device=q.device, dtype=torch.float32) if normalize else None
     hla2_step_kernel[(B * H, NR)](
-        q=q, k=k, v=v, g=None if g is None else g.contiguous(), s_in=S, w_in=W, z_in=z,
+        q=q, k=k, v=v, g=g, s_in=S, w_in=W, z_in=z,
         s_out=s_out, w_out=w_out, z_out=z_out, o_part=o_part, d_part=d_part,
-        gamma=1.0 if gamma is None else float(gamma), K=K, V=V, BR=BR, BK=BK, BV=BV, num_warps=4)
-    o = o_part.sum(1).view(B, H, V)
-    if normalize:
-        o = o / (d_part.sum(1).view(B, H, 1) + eps)
-    return o.to(v.dtype), HLA2State(s_out, w_out, z_out)
+        gamma=step_gamma(gamma), K=K, V=V, BR=BR, BK=BK, BV=BV, num_warps=4)
+    o = step_output(o_part.sum(1), d_part.sum(1) if normalize else None, eps, B, H, v.dtype)
+    return o, HLA2State(s_out, w_out, z_out)
 
 
 def hla2_step_torch(q, k, v, state, g, gamma, normalize, eps):
     """Torch decode step (same contract as :func:`hla2_step_triton`; differentiable)."""
     cd = state.S.dtype
     qf, kf, vf = q.to(cd), k.to(cd), v.to(cd)
-    if g is not None:
-        a = torch.exp(g.to(cd))[..., None, None]  # [B, H, 1, 1]
-    else:
-        a = torch.tensor(1.0 if gamma is None else float(gamma), dtype=cd, device=q.device)
+    a_z, a = step_factors(g, gamma, cd, q.device)  # [B, H, 1] against z, [B, H, 1, 1] against S, W
     S = a * state.S + kf[..., :, None] * kf[..., None, :]
     u = (S @ qf[..., None])[..., 0]
     W = a * a * state.W + u[..., :, None] * vf[..., None, :]
     o = (qf[..., None, :] @ W)[..., 0, :]
     z = None
     if normalize:
-        a_z = a[..., 0] if g is not None else a  # [B, H, 1] against z [B, H, K]
         z = a_z * a_z * state.z + u
         o = o / ((qf * z).sum(-1, keepdim=True) + eps)
     return o.to(v.dtype), HLA2State(S, W, z)

@@ -3,35 +3,24 @@ from __future__ import annotations
 
 import torch
 
-from ..common.checks import (
-    check_backend, check_chunk_size, check_eps, check_flag, check_gamma, check_gates, check_kernel_dtype,
-    check_qkv, check_state_parts, state_dtype,
-)
+from ..common.checks import check_call, check_chunk_size, check_flag, check_state, zero_state
 from ..common.config import ChunkConfig
 from ..common.gates import gates_from_gamma
+from ..common.varlen import varlen_call
 from .state import HLA2State
 
 
-def _check_common(q, k, v, gamma, g, normalize, eps, backend, seq):
-    """The checks hla2 and hla2_step share; returns (dims, gamma, g, eps, backend)."""
-    dims = check_qkv(q, k, v, seq=seq)
-    gamma = check_gamma(gamma)
-    g = check_gates(g, gamma, q, seq=seq)
-    check_flag(normalize, "normalize")
-    eps = check_eps(eps)
-    backend = check_backend(backend, q.device)
-    if backend == "triton":
-        check_kernel_dtype(q)
-    return dims, gamma, g, eps, backend
+def _state_shapes(B, H, K, V, normalize):
+    """HLA2State's field shapes (None: a field this call does not keep)."""
+    return {"S": (B, H, K, K), "W": (B, H, K, V), "z": (B, H, K) if normalize else None}
 
 
 def _check_state(state, B, H, K, V, normalize, q, name):
-    want = {"S": (B, H, K, K), "W": (B, H, K, V), "z": (B, H, K) if normalize else None}
-    return check_state_parts(state, HLA2State, want, {"z"}, q.device, name, state_dtype(q.dtype))
+    return check_state(state, HLA2State, _state_shapes(B, H, K, V, normalize), {"z"}, q, name)
 
 
 def hla2(q, k, v, *, gamma=None, g=None, normalize=False, eps=1e-6, initial_state=None,
-         output_final_state=False, chunk_size=64, backend=None, config=None):
+         output_final_state=False, chunk_size=64, backend=None, config=None, cu_seqlens=None):
     """Masked second-order HLA with a constant decay or per-token gates.
 
     o_t = sum_{i <= j <= t} exp(2 b_t - b_i - b_j) (q_t . k_i)(q_j . k_i) v_j with
@@ -54,11 +43,18 @@ def hla2(q, k, v, *, gamma=None, g=None, normalize=False, eps=1e-6, initial_stat
             not depend on it.
         backend: "triton", "torch" or None (triton for CUDA tensors, torch otherwise).
         config: a ChunkConfig for the triton backend (None: ``hla2_config``'s measured rule).
+        cu_seqlens: None, or int32 offsets [N + 1] of N sequences packed along T (B == 1);
+            initial_state and the final state then have N rows. Runs as a padded batch of N
+            (``hla_fast/ops/common/varlen.py``: exact; costs N * max length rows).
 
     Returns:
         (o [B, T, H, V] in v's dtype, HLA2State or None).
     """
-    (B, T, H, K, V), gamma, g, eps, backend = _check_common(q, k, v, gamma, g, normalize, eps, backend, seq=True)
+    if cu_seqlens is not None:  # packed sequences: a padded batch on the same kernels
+        return varlen_call(hla2, q, k, v, cu_seqlens, gamma=gamma, g=g, normalize=normalize, eps=eps,
+                           initial_state=initial_state, output_final_state=output_final_state,
+                           chunk_size=chunk_size, backend=backend, config=config)
+    (B, T, H, K, V), gamma, g, eps, backend = check_call(q, k, v, gamma, g, normalize, eps, backend, seq=True)
     check_flag(output_final_state, "output_final_state")
     check_chunk_size(chunk_size, backend)
     st = _check_state(initial_state, B, H, K, V, normalize, q, "initial_state")
@@ -92,11 +88,9 @@ def hla2_step(q, k, v, state=None, *, gamma=None, g=None, normalize=False, eps=1
         kernel has no backward: while autograd records (an input requires grad), the step runs
         on the torch path, which differentiates it.
     """
-    (B, _, H, K, V), gamma, g, eps, backend = _check_common(q, k, v, gamma, g, normalize, eps, backend, seq=False)
-    sd = state_dtype(q.dtype)
+    (B, _, H, K, V), gamma, g, eps, backend = check_call(q, k, v, gamma, g, normalize, eps, backend, seq=False)
     if state is None:
-        state = HLA2State(q.new_zeros(B, H, K, K, dtype=sd), q.new_zeros(B, H, K, V, dtype=sd),
-                          q.new_zeros(B, H, K, dtype=sd) if normalize else None)
+        state = zero_state(HLA2State, _state_shapes(B, H, K, V, normalize), q)
     st = _check_state(state, B, H, K, V, normalize, q, "state")
     from .decode import hla2_step_torch, hla2_step_triton
 

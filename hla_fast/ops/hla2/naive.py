@@ -16,28 +16,17 @@ from __future__ import annotations
 
 import torch
 
-from ..common.gates import log_gamma
+from ..common.gates import causal_decay_matrix, log_gates_like
 from .state import HLA2State
-
-
-def _log_gates(q, gamma, g):
-    """[B, T, H] log-gates in q's dtype from a constant gamma or g (zeros for neither)."""
-    if g is not None:
-        return g.to(q.dtype)
-    return torch.full(q.shape[:-1], log_gamma(gamma), dtype=q.dtype, device=q.device)
 
 
 def hla2_naive_quadratic(q, k, v, gamma=None, normalize=False, eps=1e-6, g=None):
     """O(T^2) definition. q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] or None
     -> o: [B, T, H, V]."""
-    T = q.shape[1]
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, T, *]
-    b = _log_gates(q, gamma, g).transpose(1, 2).cumsum(-1)  # [B, H, T]
-    t = torch.arange(T, device=q.device)
-    causal = t[:, None] >= t[None, :]  # [T, T], row >= column
-    # decay[r, c] = exp(b_r - b_c) on and below the diagonal, 0 above it
-    diff = b[..., :, None] - b[..., None, :]
-    decay = torch.where(causal, torch.exp(torch.where(causal, diff, torch.zeros_like(diff))), torch.zeros_like(diff))
+    b = log_gates_like(q, gamma, g).transpose(1, 2).cumsum(-1)  # [B, H, T]
+    # causal [T, T] (row >= column); decay[r, c] = exp(b_r - b_c) on and below the diagonal, 0 above
+    causal, decay = causal_decay_matrix(b)
     x = qh @ kh.transpose(-1, -2)  # [B, H, T, T], x[t, i] = q_t . k_i
     a = x * decay  # exp(b_t - b_i) (q_t . k_i), i <= t
     xm = x * causal  # (q_j . k_i), i <= j
@@ -57,7 +46,7 @@ def hla2_naive_recurrent(q, k, v, gamma=None, normalize=False, eps=1e-6, initial
     S [B, H, K, K], W [B, H, K, V] (, z [B, H, K]) or None.
     Returns (o [B, T, H, V], HLA2State) with states in q's dtype.
     """
-    a = torch.exp(_log_gates(q, gamma, g))  # [B, T, H] factors in (0, 1]
+    a = torch.exp(log_gates_like(q, gamma, g))  # [B, T, H] factors in (0, 1]
     B, T, H, K = q.shape
     V = v.shape[-1]
     if initial_state is None:

@@ -21,20 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from ..common.gates import chunk_local_cumsum
+from ..common.gates import chunk_decay_tiles
+from ..common.torch_chunks import chunk_inputs, from_chunks
 from .state import HLA2State
-
-
-def _decays(beta, valid):
-    """G [.., C, C], g1, g2, gl [.., C], gC [..] from beta [B, H, NT, C] (valid: [NT, C] rows < T)."""
-    C = beta.shape[-1]
-    causal = torch.ones(C, C, dtype=torch.bool, device=beta.device).tril()
-    diff = beta[..., :, None] - beta[..., None, :]
-    G = torch.where(causal, torch.exp(torch.where(causal, diff, torch.zeros_like(diff))), torch.zeros_like(diff))
-    g1 = torch.exp(beta)
-    bL = beta[..., -1]  # padding adds log-gates 0, so the last row holds the chunk's total
-    gl = torch.where(valid, torch.exp(bL[..., None] - beta), torch.zeros_like(beta))
-    return G, g1, g1 * g1, gl, torch.exp(bL)
 
 
 def hla2_chunk_torch(q, k, v, g=None, initial_state=None, chunk_size=64):
@@ -45,21 +34,10 @@ def hla2_chunk_torch(q, k, v, g=None, initial_state=None, chunk_size=64):
     Returns o [B, T, H, V] and the final (S, W) in the compute dtype."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    C = min(chunk_size, T)
-    NT = -(-T // C)
-    pad = NT * C - T
     dt, dev = q.dtype, q.device
-
-    def chunks(x):  # [B, T, H, D] -> [B, H, NT, C, D]
-        x = x.transpose(1, 2)
-        if pad:
-            x = torch.nn.functional.pad(x, (0, 0, 0, pad))
-        return x.reshape(B, H, NT, C, x.shape[-1])
-
-    Q, Kc, Vc = chunks(q), chunks(k), chunks(v)
-    valid = (torch.arange(NT * C, device=dev) < T).reshape(NT, C)
-    beta = chunk_local_cumsum(g, C) if g is not None else torch.zeros(B, H, NT, C, device=dev, dtype=dt)
-    G, g1, g2, gl, gC = _decays(beta, valid)
+    C, NT, Q, Kc, Vc, beta, valid = chunk_inputs(q, k, v, g, chunk_size)  # Q, Kc, Vc: [B, H, NT, C, *]
+    G, g1, gl, gC = chunk_decay_tiles(beta, valid)
+    g2 = g1 * g1
     L = torch.ones(C, C, device=dev, dtype=torch.bool).tril()
     zero = torch.zeros((), device=dev, dtype=dt)
 
@@ -89,7 +67,7 @@ def hla2_chunk_torch(q, k, v, g=None, initial_state=None, chunk_size=64):
 
     M = torch.where(L, ((g1[..., None] * (Q @ S0)) @ Q.transpose(-1, -2) + AXm) * G, zero)  # [B, H, NT, C, C]
     O = g2[..., None] * (Q @ W0) + M @ Vc                     # [B, H, NT, C, V]
-    O = O.reshape(B, H, NT * C, V)[:, :, :T].transpose(1, 2)
+    O = from_chunks(O, T)                                     # [B, T, H, V]
     return O, S, W
 
 

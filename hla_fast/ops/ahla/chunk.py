@@ -1,0 +1,356 @@
+"""Chunked AHLA on the Triton kernels: the configuration rule, the launchers, the autograd Function.
+
+Forward: one program per (value block, segment, head) walks its segment's chunks in order
+(``ahla_fwd_kernel``). With more than one segment a first launch computes every segment's summary
+from a zero state (``ahla_fwd_summary_kernel``) and a small kernel folds them into each segment's
+start state (``ahla_fwd_fold_kernel``), so that all segments then run at once.
+
+Backward: the chunk-start states (kept by the forward, or recomputed by a forward walk without
+outputs), a walk from the last chunk to the first carrying only the state gradients
+(``ahla_bwd_state_kernel``, segmented the same way with ``ahla_bwd_summary_kernel`` and
+``ahla_bwd_fold_kernel``), then every chunk's dq, dk, dv in parallel (``ahla_bwd_grad_kernel``).
+The gradient of the log-gates g follows from dq and dk (see ``chunk_kernels.py``) plus the final
+state's share. Segments need keys of at most 128: a fold holds a K x K fp32 tile.
+
+Normalization: the forward carries the denominator's state (p, e) beside (P, E) and divides
+in-kernel. The backward differentiates the unnormalized operator on the value [v | 1] with the
+output gradient [do / (den + eps) | -(do . o) / (den + eps)] (the denominator is the operator
+applied to a column of ones), so the same kernels give every gradient.
+
+The autograd Function's passes call the plain functions :func:`ahla_fwd` and :func:`ahla_bwd`,
+whose arguments are tensors (or None) and numbers only.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ..common.config import ChunkConfig
+from ..common.gates import log_gamma, reverse_cumsum
+from ..common.launch import (
+    bf16_dots, cdiv, dot_precision, min_key_block, min_value_block, one_wave_segments, pow2_block, split_segments,
+)
+from .chunk_kernels import (
+    ahla_bwd_fold_kernel, ahla_bwd_grad_kernel, ahla_bwd_state_kernel, ahla_bwd_summary_kernel, ahla_fwd_fold_kernel,
+    ahla_fwd_kernel, ahla_fwd_summary_kernel,
+)
+
+# widest value block of one backward program: the per-chunk gradient kernel holds a dozen
+# [BT, BV] and [BV, BK] tiles per value block, so it walks the values in blocks of this width
+BWD_BLOCK_V = 64
+# widest key tile whose bf16 per-chunk gradient kernel keeps the key tiles across its value blocks
+GRAD_SHARED_KEYS_MAX_K = 128
+# widest key tile the segment summaries and folds take (they hold a K x K fp32 tile)
+SEGMENT_MAX_K = 128
+# fewest chunks a segment walks when segments are picked by occupancy
+MIN_SEGMENT_CHUNKS = 4
+
+
+@functools.lru_cache(maxsize=4096)
+def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: torch.device,
+                chunk_size: int = 64) -> ChunkConfig:
+    """The default layout for one call. A first rule, taken over from HLA2's measured layouts
+    (hla_fast/README.md, "Why these layouts") and not yet measured for AHLA:
+
+    * chunks of ``chunk_size`` forward (at most 32 for keys wider than 128: a [K, 64] tile of P
+      and of E stays in registers); backward chunks of at most 64 rows, at most 32 for heads wider
+      than 64 and 16 for keys wider than 128 (the per-chunk gradient kernel holds many [BT, BT]
+      and [BT, K] tiles);
+    * forward value blocks of 64 columns (the backward's are BWD_BLOCK_V);
+    * 4 warps for key tiles up to 64 wide, 8 above;
+    * segments: as many as keep every program in one wave (two 4-warp programs or one 8-warp
+      program a multiprocessor), at least MIN_SEGMENT_CHUNKS chunks each; one for keys wider than
+      SEGMENT_MAX_K;
+    * the forward keeps its chunk-start states for the backward when both use one chunk size.
+    Off CUDA (the interpreter) every walk is one segment. The result is immutable, so it is cached
+    per shape.
+
+    Shared memory (227 KB a multiprocessor on Hopper) bounds the per-chunk gradient kernel: with
+    more than one value block it forms its key tiles and A, A^T in every block
+    (:func:`grad_keys_per_block`), except for bf16 key tiles up to GRAD_SHARED_KEYS_MAX_K wide,
+    which fit when kept across the blocks (and are faster so); and fp16 inputs take fp32's dot
+    precision there (:func:`grad_precision`)."""
+    wide = max(K, V) > 64
+    fwd_chunk = min(chunk_size, 32) if K > 128 else chunk_size
+    bwd_chunk = min(chunk_size, 16 if K > 128 else (32 if wide else 64))
+    block_v = min(64, pow2_block(V, min_value_block(device)))
+    warps = 4 if pow2_block(K, min_key_block(device)) <= 64 else 8
+    fwd_seg = bwd_seg = 1
+    if K <= SEGMENT_MAX_K:
+        per_sm = 2 if warps == 4 else 1
+        fwd_seg = one_wave_segments(cdiv(V, block_v) * B * H, cdiv(T, fwd_chunk), device, per_sm, MIN_SEGMENT_CHUNKS)
+        bwd_bv = bwd_blocks(K, V, device)[1]
+        bwd_seg = one_wave_segments(cdiv(V, bwd_bv) * B * H, cdiv(T, bwd_chunk), device, per_sm, MIN_SEGMENT_CHUNKS)
+    return ChunkConfig(fwd_chunk=fwd_chunk, bwd_chunk=bwd_chunk, fwd_segments=fwd_seg, bwd_segments=bwd_seg,
+                       fwd_warps=warps, bwd_warps=warps, fwd_block_v=block_v, grad_parts=(7,),
+                       save_states=fwd_chunk == bwd_chunk, bf16_snapshots=True)
+
+
+def bwd_blocks(K: int, V: int, device: torch.device):
+    """(BK, BV): the backward's key tile and value block for K keys and V value columns (V + 1
+    when normalizing)."""
+    mvb = min_value_block(device)
+    return pow2_block(K, min_key_block(device)), min(pow2_block(V, mvb), max(BWD_BLOCK_V, mvb))
+
+
+def grad_precision(dtype: torch.dtype) -> str:
+    """Dot input precision of ``ahla_bwd_grad_kernel``: ``dot_precision``'s, but fp32's (tf32x3 on
+    a GPU) for fp16 inputs, which the kernels widen to fp32 tiles. With single tf32 products of
+    fp32 tiles the compiler stages both operands of every dot in shared memory: 368 to 676 KB,
+    past Hopper's 227 KB at every key width; with tf32x3 the kernel takes what it takes for fp32."""
+    return dot_precision(torch.float32 if dtype == torch.float16 else dtype)
+
+
+def grad_keys_per_block(n_value_blocks: int, BK: int, dtype: torch.dtype) -> bool:
+    """Whether ``ahla_bwd_grad_kernel`` forms its key tiles and A, A^T afresh in every value block
+    (KEYS_PER_BLOCK). Kept across more than one block, the compiler holds their shared-memory
+    copies beside every block's own: past Hopper's 227 KB for fp32 tiles (fp32 and fp16 inputs,
+    288 to 324 KB for keys of 64 to 256) and for 256-wide bf16 key tiles (253 KB). bf16 key tiles
+    up to GRAD_SHARED_KEYS_MAX_K wide fit when kept (at most 176 KB) and save two [BT, BT] dots
+    and the key reloads per block, so they stay."""
+    return n_value_blocks > 1 and (not bf16_dots(dtype) or BK > GRAD_SHARED_KEYS_MAX_K)
+
+
+def _check_config(cfg: ChunkConfig, K: int):
+    """Refuse a layout the kernels cannot run: segments for keys wider than SEGMENT_MAX_K."""
+    if K > SEGMENT_MAX_K and (cfg.fwd_segments != 1 or cfg.bwd_segments != 1):
+        raise ValueError(f"ahla runs keys wider than {SEGMENT_MAX_K} (K={K}) in one segment: config.fwd_segments "
+                         f"and config.bwd_segments must be 1, got {cfg.fwd_segments} and {cfg.bwd_segments}")
+
+
+def _snapshot_dtype(cfg: ChunkConfig, dtype: torch.dtype) -> torch.dtype:
+    """dtype of the per-chunk snapshots the backward reads as dot operands."""
+    return torch.bfloat16 if (cfg.bf16_snapshots and bf16_dots(dtype)) else torch.float32
+
+
+def _common(q, gamma, g):
+    """Constexprs and scalars every launch shares."""
+    return dict(HAS_DECAY=g is not None or gamma is not None, IS_BF16=bf16_dots(q.dtype),
+                PREC=dot_precision(q.dtype)), log_gamma(gamma) if g is None else 0.0
+
+
+def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, segments=1, outputs=True,
+               normalize=False, eps=0.0, store_final=True, snapshots=None):
+    """Run the forward walk (after the segment summaries and fold when ``segments > 1``).
+
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] or None; all contiguous. p0, e0: fp32
+    [B, H, K, V] or None; pn0, en0: fp32 [B, H, K] or None (zeros when normalizing from a state
+    without them). outputs: compute o (else only states). normalize: carry (p, e) and divide by
+    (den + eps). snapshots: None, or the dtype to store every chunk-start state (P, E) in.
+    Returns (o [B, T, H, V] or None, den [B, T, H] fp32 or None, P_T, E_T, p_T or None,
+    e_T or None, (cs_p, cs_e) [B*H, NT, K, V] or None)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    BH, dev, f32 = B * H, q.device, torch.float32
+    BK = pow2_block(K, min_key_block(dev))
+    BV = min(pow2_block(V, min_value_block(dev)), block_v)
+    NV, NT = cdiv(V, BV), cdiv(T, chunk)
+    NS, nseg = split_segments(NT, segments)
+    flags, lg = _common(q, gamma, g)
+    kw = dict(H=H, K=K, V=V, BT=chunk, BK=BK, BV=BV, num_warps=warps, num_stages=1, **flags)
+    if normalize and p0 is not None:
+        pn0 = torch.zeros(B, H, K, device=dev, dtype=f32) if pn0 is None else pn0
+        en0 = torch.zeros(B, H, K, device=dev, dtype=f32) if en0 is None else en0
+    elif not normalize:
+        pn0 = en0 = None
+    h0 = (p0, e0, pn0, en0)
+    if nseg > 1:
+        # -- every segment's summary from a zero state, then every segment's start state ----------
+        def kv():
+            return torch.empty(BH * nseg, K, V, device=dev, dtype=f32)
+
+        def kvec():
+            return torch.empty(BH * nseg, K, device=dev, dtype=f32) if normalize else None
+
+        sums = dict(sum_p=kv(), sum_e=kv(), sum_pn=kvec(), sum_en=kvec(),
+                    sum_r=torch.empty(BH * nseg, K, K, device=dev, dtype=f32),
+                    sum_lr=torch.empty(BH * nseg, device=dev, dtype=f32))
+        ahla_fwd_summary_kernel[(NV, nseg, BH)](q=q, k=k, v=v, g=g, **sums, log_gamma=lg, T=T, NS=NS, **kw)
+        seg = (kv(), kv(), kvec(), kvec())
+        ahla_fwd_fold_kernel[(NV, BH)](
+            **sums, h0_p=p0, h0_e=e0, h0_pn=pn0, h0_en=en0, seg_p=seg[0], seg_e=seg[1], seg_pn=seg[2],
+            seg_en=seg[3], NSEG=nseg, K=K, V=V, BK=BK, BV=BV, PREC=flags["PREC"], num_warps=warps)
+        h0 = seg
+    o = torch.empty_like(v) if outputs else None
+    den = torch.empty(B, T, H, device=dev, dtype=f32) if (outputs and normalize) else None
+    ht = (None,) * 4
+    if store_final:
+        ht = (torch.empty(B, H, K, V, device=dev, dtype=f32), torch.empty(B, H, K, V, device=dev, dtype=f32),
+              torch.empty(B, H, K, device=dev, dtype=f32) if normalize else None,
+              torch.empty(B, H, K, device=dev, dtype=f32) if normalize else None)
+    cs = None
+    if snapshots is not None:
+        cs = tuple(torch.empty(BH, NT, K, V, device=dev, dtype=snapshots) for _ in range(2))
+    ahla_fwd_kernel[(NV, nseg, BH)](
+        q=q, k=k, v=v, g=g, o=o, den=den, h0_p=h0[0], h0_e=h0[1], h0_pn=h0[2], h0_en=h0[3],
+        ht_p=ht[0], ht_e=ht[1], ht_pn=ht[2], ht_en=ht[3],
+        cs_p=None if cs is None else cs[0], cs_e=None if cs is None else cs[1],
+        log_gamma=lg, eps=eps, T=T, NS=NS, **kw)
+    return o, den, ht[0], ht[1], ht[2], ht[3], cs
+
+
+def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *, states=None, want_db=False):
+    """Gradients of the unnormalized operator.
+
+    q, k: [B, T, H, K]; v, do: [B, T, H, V]; g: [B, T, H] or None; p0, e0: fp32 initial state
+    [B, H, K, V] or None; dht_p, dht_e: gradient of the final state (fp32 [B, H, K, V]) or None.
+    states: the chunk-start snapshots (cs_p, cs_e) a forward with chunk ``cfg.bwd_chunk`` stored,
+    or None to recompute them. want_db: also return dL/db [B, T, H] fp32 (without the final
+    state's share).
+    Returns dq, dk, dv (input dtypes), dP0, dE0 (fp32, None without p0), db (or None)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    BH, dev, f32 = B * H, q.device, torch.float32
+    BT, nw = cfg.bwd_chunk, cfg.bwd_warps
+    BK, BV = bwd_blocks(K, V, dev)
+    NT, NV = cdiv(T, BT), cdiv(V, BV)
+    snap = _snapshot_dtype(cfg, q.dtype)
+    if states is None or states[0].dtype != snap:
+        states = fwd_launch(q, k, v, g, gamma, p0, e0, None, None, chunk=BT, warps=nw, block_v=cfg.fwd_block_v,
+                            segments=cfg.fwd_segments, outputs=False, store_final=False, snapshots=snap)[6]
+    cs_p, cs_e = states
+    do = do.contiguous()
+    flags, lg = _common(q, gamma, g)
+    common = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, num_warps=nw, num_stages=1, **flags)
+    has_dht = dht_p is not None or dht_e is not None
+    if has_dht:
+        dht_p = torch.zeros(B, H, K, V, device=dev, dtype=f32) if dht_p is None else dht_p.float().contiguous()
+        dht_e = torch.zeros(B, H, K, V, device=dev, dtype=f32) if dht_e is None else dht_e.float().contiguous()
+    dh0 = ((torch.empty(B, H, K, V, device=dev, dtype=f32), torch.empty(B, H, K, V, device=dev, dtype=f32))
+           if p0 is not None else (None, None))
+    NS, nseg = split_segments(NT, cfg.bwd_segments)
+    de = (dht_p, dht_e) if has_dht else (None, None)
+    if nseg > 1:
+        # -- backward summaries of the segments from a zero end gradient, folded last to first -----
+        sums = dict(sum_dp=torch.empty(BH * nseg, K, V, device=dev, dtype=f32),
+                    sum_de=torch.empty(BH * nseg, K, V, device=dev, dtype=f32),
+                    sum_rt=torch.empty(BH * nseg, K, K, device=dev, dtype=f32),
+                    sum_lr=torch.empty(BH * nseg, device=dev, dtype=f32))
+        ahla_bwd_summary_kernel[(NV, nseg, BH)](q=q, k=k, do=do, g=g, **sums, log_gamma=lg, T=T, NS=NS, **common)
+        de = (torch.empty(BH * nseg, K, V, device=dev, dtype=f32), torch.empty(BH * nseg, K, V, device=dev, dtype=f32))
+        ahla_bwd_fold_kernel[(NV, BH)](
+            **sums, dht_p=dht_p if has_dht else None, dht_e=dht_e if has_dht else None, de_p=de[0], de_e=de[1],
+            NSEG=nseg, K=K, V=V, BK=BK, BV=BV, PREC=flags["PREC"], num_warps=nw)
+    # -- the walk: every chunk's end-state gradient ------------------------------------------------
+    dp_end = torch.empty(BH, NT, K, V, device=dev, dtype=f32)
+    de_end = torch.empty(BH, NT, K, V, device=dev, dtype=f32)
+    ahla_bwd_state_kernel[(NV, nseg, BH)](
+        q=q, k=k, do=do, g=g, dp_end=dp_end, de_end=de_end, de_p=de[0], de_e=de[1], dh0_p=dh0[0], dh0_e=dh0[1],
+        log_gamma=lg, T=T, NS=NS, **common)
+    # -- every chunk's gradients ----------------------------------------------------------------------
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    db = torch.empty(B, T, H, device=dev, dtype=f32) if want_db else None
+    ahla_bwd_grad_kernel[(NT, BH)](
+        q=q, k=k, v=v, do=do, g=g, dq=dq, dk=dk, dv=dv, db=db, cs_p=cs_p, cs_e=cs_e, dp_end=dp_end,
+        de_end=de_end, log_gamma=lg, T=T, KEYS_PER_BLOCK=grad_keys_per_block(NV, BK, q.dtype),
+        **dict(common, PREC=grad_precision(q.dtype)))
+    return dq, dk, dv, dh0[0], dh0[1], db
+
+
+def _cat_last(a, b):
+    """[a | b] along the last dim, b a vector per row (None when a is None)."""
+    return None if a is None else torch.cat([a, b[..., None].to(a.dtype)], -1)
+
+
+def ahla_fwd(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg: ChunkConfig, keep_states=False):
+    """The forward pass: q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] or None (contiguous);
+    p0, e0 fp32 [B, H, K, V] or None; pn0, en0 fp32 [B, H, K] or None; gamma a float or None.
+    keep_states: store the chunk-start states for :func:`ahla_bwd` (only without normalize and
+    when ``cfg.fwd_chunk == cfg.bwd_chunk``; else nothing is kept).
+    Returns (o [B, T, H, V], den [B, T, H] fp32 or None, P_T, E_T [B, H, K, V], p_T, e_T [B, H, K]
+    or None, cs_p, cs_e [B*H, NT, K, V] or None)."""
+    _check_config(cfg, q.shape[-1])
+    save = keep_states and not normalize and cfg.fwd_chunk == cfg.bwd_chunk
+    o, den, PT, ET, pT, eT, cs = fwd_launch(
+        q, k, v, g, gamma, p0, e0, pn0, en0, chunk=cfg.fwd_chunk, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v,
+        segments=cfg.fwd_segments, normalize=normalize, eps=eps,
+        snapshots=_snapshot_dtype(cfg, q.dtype) if save else None)
+    cs = (None, None) if cs is None else cs
+    return o, den, PT, ET, pT, eT, cs[0], cs[1]
+
+
+def ahla_bwd(q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, do, dPT, dET, dpT, deT,
+             gamma, normalize, eps, cfg: ChunkConfig, want_dg=False):
+    """The backward pass of :func:`ahla_fwd`: its inputs, its outputs (o and den are read only
+    when normalizing), its kept states (or None), and the cotangents do [B, T, H, V] (or None),
+    dPT, dET [B, H, K, V], dpT, deT [B, H, K] (each or None).
+    Returns (dq, dk, dv, dg or None, dP0, dE0, dp0, de0; the state gradients None without p0,
+    dp0 and de0 None unless normalizing)."""
+    if do is None:
+        do = torch.zeros_like(v)
+    V = v.shape[-1]
+    if normalize:
+        # o = num / (den + eps): the unnormalized operator on [v | 1] with gradient [do / d | -(do . o) / d]
+        d = (den + eps)[..., None]
+        do_f = do.float()
+        do = torch.cat([do_f / d, -(do_f * o.float()).sum(-1, keepdim=True) / d], -1).to(v.dtype)
+        v = torch.cat([v, torch.ones_like(v[..., :1])], -1)
+        if p0 is not None:
+            p0 = _cat_last(p0, pn0 if pn0 is not None else torch.zeros_like(p0[..., 0]))
+            e0 = _cat_last(e0, en0 if en0 is not None else torch.zeros_like(e0[..., 0]))
+        if any(x is not None for x in (dPT, dET, dpT, deT)):
+            dPT = _cat_last(torch.zeros_like(PT) if dPT is None else dPT, torch.zeros_like(pT) if dpT is None else dpT)
+            dET = _cat_last(torch.zeros_like(ET) if dET is None else dET, torch.zeros_like(eT) if deT is None else deT)
+        PT, ET = _cat_last(PT, pT), _cat_last(ET, eT)
+    states = None if cs_p is None else (cs_p, cs_e)
+    dq, dk, dv, dP0, dE0, db = bwd_launch(q, k, v, do, g, gamma, p0, e0, dPT, dET, cfg, states=states,
+                                          want_db=want_dg)
+    dp0 = de0 = None
+    if normalize:
+        dv = dv[..., :V]
+        if dP0 is not None:
+            dP0, dp0 = dP0[..., :V].contiguous(), dP0[..., V].contiguous()
+            dE0, de0 = dE0[..., :V].contiguous(), dE0[..., V].contiguous()
+    dg = None
+    if want_dg:
+        # the final state carries the factor exp(b_T) (P_T and E_T alike): its share of dL/db_T
+        last = torch.zeros(db.shape[0], db.shape[2], device=db.device, dtype=db.dtype)
+        if dPT is not None:
+            last = last + (PT * dPT.float()).sum((-1, -2))
+        if dET is not None:
+            last = last + (ET * dET.float()).sum((-1, -2))
+        db[:, -1] += last
+        dg = reverse_cumsum(db).to(g.dtype)
+    return dq, dk, dv, dg, dP0, dE0, dp0, de0
+
+
+class AHLAChunkFunction(torch.autograd.Function):
+    """Autograd of AHLA on the Triton kernels.
+
+    forward(q [B,T,H,K], k, v [B,T,H,V], g [B,T,H] | None, p0, e0 [B,H,K,V] | None,
+    pn0, en0 [B,H,K] | None, gamma, normalize, eps, cfg) -> (o [B,T,H,V], P_T, E_T [B,H,K,V],
+    p_T, e_T [B,H,K] | None). The backward is not itself differentiable (it raises if asked)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg):
+        grads = any(ctx.needs_input_grad[:8])
+        o, den, PT, ET, pT, eT, cs_p, cs_e = ahla_fwd(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg,
+                                                      keep_states=grads and cfg.save_states)
+        ctx.save_for_backward(q, k, v, g, p0, e0, pn0, en0, o if normalize else None, den, PT, ET, pT, eT,
+                              cs_p, cs_e)
+        ctx.gamma, ctx.normalize, ctx.eps, ctx.cfg = gamma, normalize, eps, cfg
+        return o, PT, ET, pT, eT
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do, dPT, dET, dpT, deT):
+        q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e = ctx.saved_tensors
+        want_dg = g is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, dg, dP0, dE0, dp0, de0 = ahla_bwd(
+            q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, do, dPT, dET, dpT, deT,
+            ctx.gamma, ctx.normalize, ctx.eps, ctx.cfg, want_dg=want_dg)
+        return dq, dk, dv, dg, dP0, dE0, dp0, de0, None, None, None, None
+
+
+def ahla_chunked(q, k, v, g, gamma, p0, e0, pn0, en0, normalize, eps, config=None, chunk_size=64):
+    """AHLA on the Triton kernels.
+
+    q, k: [B, T, H, K]; v: [B, T, H, V] (contiguous); g: [B, T, H] or None; p0, e0, pn0, en0:
+    fp32 state or None; config: a ChunkConfig, or None for ``ahla_config``'s rule.
+    Returns (o [B, T, H, V], P_T, E_T, p_T or None, e_T or None)."""
+    B, T, H, K = q.shape
+    cfg = config if config is not None else ahla_config(B, T, H, K, v.shape[-1], q.dtype, q.device, chunk_size)
+    _check_config(cfg, K)
+    return AHLAChunkFunction.apply(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg)

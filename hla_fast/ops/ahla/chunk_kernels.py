@@ -1,0 +1,623 @@
+"""Triton kernels of chunked AHLA: forward walk, backward state walk, segment summaries and folds,
+per-chunk gradients.
+
+Layout: ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]``, log-gates ``g: [B, T, H]`` (contiguous).
+States are fp32 ``P, E: [B*H, K, V]``, ``p, e: [B*H, K]`` whatever the input dtype. Per-chunk
+snapshots that a later kernel reads only as dot operands may be stored in the dots' operand dtype
+(bf16 for bf16 inputs): rounding them on store is the rounding the dot applies on load anyway.
+
+The operator. With b_t = sum_{s <= t} g_s,
+
+    o_t = sum_{j <= i <= t} exp(b_t - b_j) (q_t . k_i)(q_i . k_j) v_j.
+
+The decay splits as exp(b_t - b_i) exp(b_i - b_j), so AHLA is first-order (gated) linear attention
+applied twice, the second time to the first one's outputs:
+
+    R_i = sum_{j <= i} exp(b_i - b_j) (q_i . k_j) v_j,      o_t = sum_{i <= t} exp(b_t - b_i) (q_t . k_i) R_i,
+
+and the state after token t is P_t = sum_{j <= t} exp(b_t - b_j) k_j v_j^T (so R_t = q_t^T P_t) and
+E_t = sum_{i <= t} exp(b_t - b_i) k_i R_i^T (so o_t = q_t^T E_t).
+
+Chunk form. One chunk of C = BT rows Q, K, V (local row r), the state (P0, E0) after the previous
+chunk, beta_r = b_r - b_{start - 1} (<= 0, the chunk-local cumulative sum of g, ``chunk_beta``),
+G[r, c] = exp(beta_r - beta_c) for c <= r else 0, g1[r] = exp(beta_r), gl[r] = exp(beta_L - beta_r)
+(0 on padded rows), gC = exp(beta_L). Splitting each sum into the part before the chunk and the
+part inside it, with A = (Q K^T) o G and Kg = diag(gl) K:
+
+    R = diag(g1) Q P0 + A V                       (row r: q_r^T P_r)
+    O = diag(g1) Q E0 + A R
+    P <- gC P0 + Kg^T V,      E <- gC E0 + Kg^T R
+
+(the decay from a token before the chunk to row r is exp(beta_r) times the state's own decay to
+the chunk start; from row c to the chunk end it is gl[c]). Normalization is the same on a column
+of ones: r_n = diag(g1) Q p0 + A 1, den = diag(g1) Q e0 + A r_n, p <- gC p0 + Kg^T 1,
+e <- gC e0 + Kg^T r_n. Every line is linear in V's columns (R's columns are those of V), so a
+program may own a block of value columns and all of P, E on them: the forward runs over
+(value block, segment, batch*head) programs, each walking its chunks in order with P, E in
+registers.
+
+Backward (L a loss; dO = dL/dO; dP, dE the gradients of the state at the chunk's end). By the
+chain rule through the four lines above, in reverse:
+
+    dR  = A^T dO + Kg dE                         (R feeds O and E)
+    dA  = dO R^T + dR V^T,   dX = dA o G         (A = X o G, X = Q K^T)
+    dQ  = diag(g1) (dO E0^T + dR P0^T) + dX K
+    dK  = dX^T Q + diag(gl) (V dP^T + R dE^T)
+    dV  = A^T dR + Kg dP
+    dE0 = gC dE + Q^T diag(g1) dO,   dP0 = gC dP + Q^T diag(g1) dR
+
+The state gradients (the last line) only need dO, Q, K and dE, so ``ahla_bwd_state_kernel``
+walks the chunks from last to first carrying (dP, dE) and stores each chunk's end gradient; then
+every chunk's dQ, dK, dV are independent (``ahla_bwd_grad_kernel``, one program per chunk, a loop
+over value blocks summing dQ and dK). Transposed tiles (A^T, R^T, dR^T, dA^T) come from their own
+dots of loaded tiles, never from transposing a dot result fed into another dot (miscompiled by
+Triton 3.4-3.7.0 on Hopper).
+
+Segments. A run of chunks started from a zero state ends with (P_s, E_s); a start state (P0, E0)
+adds rho P0 to P and rho E0 + rho R_s P0 to E, where rho = exp(b_end - b_start) and
+R_s = sum_{i in the run} k_i q_i^T carries no decay: the path j (before the run) -> i (in it) ->
+the end decays by exp(b_i - b_start) exp(b_end - b_i) = rho whatever i is (``hla_ref.ahla_combine``).
+So ``ahla_fwd_summary_kernel`` computes every segment's (P_s, E_s, R_s, log rho) in parallel,
+``ahla_fwd_fold_kernel`` folds them in order into each segment's start state,
+
+    E <- rho (E + R_s P) + E_s,   P <- rho P + P_s,
+
+and the segments then walk at once. The backward walk is split the same way with the transposed
+map: an end gradient (dP, dE) reaches the segment's start as rho (dP + R_s^T dE) and rho dE
+(``ahla_bwd_summary_kernel``, ``ahla_bwd_fold_kernel``).
+
+Gate gradient. The weight factors per index: exp(b_t - b_j) (q_t.k_i)(q_i.k_j) =
+((e^{b_t} q_t).(e^{-b_i} k_i)) ((e^{b_i} q_i).(e^{-b_j} k_j)), so the gated operator is the ungated
+one on q~_x = e^{b_x} q_x, k~_x = e^{-b_x} k_x. Hence dL/db_s = q~_s.dq~_s - k~_s.dk~_s =
+q_s.dq_s - k_s.dk_s (v carries no gate), plus, at the last token, the final state's own factor
+e^{b_T}: <P_T, dP_T> + <E_T, dE_T> (+ the same for p, e). dg is the reverse cumulative sum of db.
+
+Masks are applied by selection (``tl.where``), not by multiplying with 0. The matrix products still
+multiply: a non-finite q or k at row r makes R's row r non-finite, and A R then reaches every row
+of the chunk (0 times a non-finite number); earlier chunks are untouched.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..common.tiles import (
+    cast, chunk_beta, chunk_decays, chunk_decays_t, dot, load_cols, load_mat, load_mat_t, load_rows, load_vec,
+    mat_or_zeros, store_mat, vec_or_zeros,
+)
+
+
+@triton.jit
+def _head_offsets(i_bh, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """Offsets of head i_bh's first element in [B, T, H, K], [.., V] and [B, T, H] tensors
+    (64-bit: B*T*H*K can pass 2^31)."""
+    row = (i_bh // H).to(tl.int64) * T * H + i_bh % H
+    return row * K, row * V, row
+
+
+# ============================================================================ forward
+
+
+@triton.jit
+def _fwd_tiles(q, k, v, g, off_k, off_v, off_g, log_gamma, t, mt, rk, mk, rv, mv,
+               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+               HAS_G: tl.constexpr, HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr):
+    """What one chunk of the forward reads: Q [BT, BK], K^T [BK, BT] (a strided load), V [BT, BV],
+    and the decay factors G, g1, gl, gC, bL."""
+    b_q = load_rows(q + off_k, t, mt, rk, mk, H * K, IS_BF16)
+    b_kt = load_cols(k + off_k, t, mt, rk, mk, H * K, IS_BF16)
+    b_v = load_rows(v + off_v, t, mt, rv, mv, H * V, IS_BF16)
+    beta = chunk_beta(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
+    G, g1, g2, gl, gC, bL = chunk_decays(beta, mt, BT, HAS_DECAY)
+    return b_q, b_kt, b_v, G, g1, gl, gC, bL
+
+
+@triton.jit
+def _chunk_first_order(b_q, b_kt, b_v, P, pn, G, g1, NORM: tl.constexpr, IS_BF16: tl.constexpr,
+                       PREC: tl.constexpr):
+    """A = (Q K^T) o G [BT, BT], R = diag(g1) Q P0 + A V [BT, BV] of one chunk, and R's
+    normalizer column r_n = diag(g1) Q p0 + A 1 [BT] when NORM (else a dummy 0)."""
+    b_x = tl.dot(b_q, b_kt, input_precision=PREC)                  # X = Q K^T       [BT, BT]
+    b_a = tl.where(G > 0, b_x * G, 0.0)                             # A = X o G
+    b_r = dot(b_q, P, IS_BF16, PREC) * g1[:, None] + dot(b_a, b_v, IS_BF16, PREC)
+    if NORM:
+        r_n = tl.sum(b_q.to(tl.float32) * pn[None, :], axis=1) * g1 + tl.sum(b_a, axis=1)
+    else:
+        r_n = 0.0
+    return b_a, b_r, r_n
+
+
+@triton.jit
+def _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM: tl.constexpr, IS_BF16: tl.constexpr,
+                 PREC: tl.constexpr):
+    """The state at the chunk's end: P <- gC P0 + Kg^T V, E <- gC E0 + Kg^T R (p, e: the same on
+    the column of ones, when NORM)."""
+    b_kgt = b_kt * gl[None, :]                                             # Kg^T [BK, BT]
+    P = P * gC + dot(b_kgt, b_v, IS_BF16, PREC)
+    E = E * gC + dot(b_kgt, b_r, IS_BF16, PREC)
+    if NORM:
+        en = en * gC + tl.sum(b_kgt.to(tl.float32) * r_n[None, :], axis=1)
+        pn = pn * gC + tl.sum(b_kgt.to(tl.float32), axis=1)
+    return P, E, pn, en
+
+
+@triton.heuristics({
+    "HAS_G": lambda a: a["g"] is not None,
+    "HAS_INIT": lambda a: a["h0_p"] is not None,
+    "HAS_O": lambda a: a["o"] is not None,
+    "SAVE_STATES": lambda a: a["cs_p"] is not None,
+    "STORE_FINAL": lambda a: a["ht_p"] is not None,
+    "NORM": lambda a: a["ht_pn"] is not None or a["den"] is not None,
+})
+@triton.jit
+def ahla_fwd_kernel(
+    q, k, v, g,              # q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] or None
+    o, den,                  # out: o [B, T, H, V] or None; den [B, T, H] fp32 (normalize) or None
+    h0_p, h0_e, h0_pn, h0_en,  # start state of every segment, fp32 [B*H*NSEG, K, V] x 2, [.., K] x 2; or None
+    ht_p, ht_e, ht_pn, ht_en,  # out: final state [B*H, K, V] x 2, [B*H, K] x 2; or None
+    cs_p, cs_e,              # out: chunk-start snapshots [B*H, NT, K, V] x 2; or None
+    log_gamma, eps, T, NS,   # log(gamma) (without g), normalizer eps, sequence length, chunks per segment
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_INIT: tl.constexpr, HAS_O: tl.constexpr, SAVE_STATES: tl.constexpr,
+    STORE_FINAL: tl.constexpr, NORM: tl.constexpr,
+):
+    """One program per (value block, segment, batch*head) walks its segment's chunks in order,
+    keeping its columns of P and E (and all of p, e when NORM) in fp32 registers: outputs (HAS_O,
+    normalized when NORM), chunk-start snapshots (SAVE_STATES) and the final state (STORE_FINAL,
+    last segment)."""
+    # -- which piece of work this program owns ---------------------------------------------
+    i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NSEG = tl.num_programs(1)
+    NT = tl.cdiv(T, BT)
+    off_k, off_v, off_g = _head_offsets(i_bh, T, H, K, V)
+    rt = tl.arange(0, BT)
+    rk = tl.arange(0, BK)
+    rv = i_v * BV + tl.arange(0, BV)
+    mk = rk < K
+    mv = rv < V
+    lo = i_n * NS
+    hi = tl.minimum(lo + NS, NT)
+
+    # -- the state at the segment's start -------------------------------------------------
+    i_sg = i_bh.to(tl.int64) * NSEG + i_n
+    P = mat_or_zeros(h0_p, i_sg * K * V, rk, mk, rv, mv, V, BK, BV, HAS_INIT)    # [BK, BV]
+    E = mat_or_zeros(h0_e, i_sg * K * V, rk, mk, rv, mv, V, BK, BV, HAS_INIT)    # [BK, BV]
+    if NORM:
+        pn = vec_or_zeros(h0_pn, i_sg * K, rk, mk, BK, HAS_INIT)                 # [BK]
+        en = vec_or_zeros(h0_en, i_sg * K, rk, mk, BK, HAS_INIT)                 # [BK]
+    else:
+        pn = 0.0
+        en = 0.0
+
+    for i_c in range(lo, hi):
+        t = i_c * BT + rt
+        mt = t < T
+        # -- the chunk's tiles and decay factors -------------------------------------------
+        b_q, b_kt, b_v, G, g1, gl, gC, bL = _fwd_tiles(q, k, v, g, off_k, off_v, off_g, log_gamma, t, mt,
+                                                       rk, mk, rv, mv, H, K, V, BT, HAS_G, HAS_DECAY, IS_BF16)
+        if SAVE_STATES:
+            off_cs = (i_bh.to(tl.int64) * NT + i_c) * K * V
+            store_mat(cs_p + off_cs, P, rk, mk, rv, mv, V)
+            store_mat(cs_e + off_cs, E, rk, mk, rv, mv, V)
+        # -- first order: R = diag(g1) Q P0 + A V ------------------------------------------
+        b_a, b_r, r_n = _chunk_first_order(b_q, b_kt, b_v, P, pn, G, g1, NORM, IS_BF16, PREC)
+        # -- second order: O = diag(g1) Q E0 + A R ------------------------------------------
+        if HAS_O:
+            b_o = dot(b_q, E, IS_BF16, PREC) * g1[:, None] + dot(b_a, b_r, IS_BF16, PREC)      # [BT, BV]
+            if NORM:
+                b_den = tl.sum(b_q.to(tl.float32) * en[None, :], axis=1) * g1 + tl.sum(b_a * r_n[None, :], axis=1)
+                b_o = b_o / (b_den + eps)[:, None]
+                if i_v == 0:
+                    tl.store(den + off_g + t * H, b_den, mask=mt)
+            tl.store(o + off_v + t[:, None] * (H * V) + rv[None, :], b_o.to(o.dtype.element_ty),
+                     mask=mt[:, None] & mv[None, :])
+        # -- carry the state to the chunk's end --------------------------------------------
+        P, E, pn, en = _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM, IS_BF16, PREC)
+
+    if STORE_FINAL:
+        if i_n == NSEG - 1:
+            base = i_bh.to(tl.int64) * K * V
+            store_mat(ht_p + base, P, rk, mk, rv, mv, V)
+            store_mat(ht_e + base, E, rk, mk, rv, mv, V)
+            if NORM:
+                if i_v == 0:
+                    tl.store(ht_pn + i_bh * K + rk, pn, mask=mk)
+                    tl.store(ht_en + i_bh * K + rk, en, mask=mk)
+
+
+@triton.heuristics({
+    "HAS_G": lambda a: a["g"] is not None,
+    "NORM": lambda a: a["sum_pn"] is not None,
+})
+@triton.jit
+def ahla_fwd_summary_kernel(
+    q, k, v, g,                  # as in ahla_fwd_kernel
+    sum_p, sum_e, sum_pn, sum_en,  # out: each segment's end state from a zero start, fp32
+                                 #      [B*H*NSEG, K, V] x 2, [.., K] x 2 (NORM, else None)
+    sum_r, sum_lr,               # out: R = sum_i k_i q_i^T over the segment [B*H*NSEG, K, K]; log rho [B*H*NSEG]
+    log_gamma, T, NS,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
+    HAS_G: tl.constexpr, NORM: tl.constexpr,
+):
+    """Each segment's summary: the state (P, E[, p, e]) after it from a zero state, the undecayed
+    moment R = sum_i k_i q_i^T and log rho = b_end - b_start (its total log decay). A start state
+    (P0, E0) reaches the segment's end as rho P0 and rho E0 + rho R P0 (``ahla_fwd_fold_kernel``)."""
+    i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NSEG = tl.num_programs(1)
+    NT = tl.cdiv(T, BT)
+    off_k, off_v, off_g = _head_offsets(i_bh, T, H, K, V)
+    rt = tl.arange(0, BT)
+    rk = tl.arange(0, BK)
+    rv = i_v * BV + tl.arange(0, BV)
+    mk = rk < K
+    mv = rv < V
+    lo = i_n * NS
+    hi = tl.minimum(lo + NS, NT)
+    P = tl.zeros([BK, BV], dtype=tl.float32)
+    E = tl.zeros([BK, BV], dtype=tl.float32)
+    R = tl.zeros([BK, BK], dtype=tl.float32)
+    if NORM:
+        pn = tl.zeros([BK], dtype=tl.float32)
+        en = tl.zeros([BK], dtype=tl.float32)
+    else:
+        pn = 0.0
+        en = 0.0
+    log_rho = 0.0
+    for i_c in range(lo, hi):
+        t = i_c * BT + rt
+        mt = t < T
+        b_q, b_kt, b_v, G, g1, gl, gC, bL = _fwd_tiles(q, k, v, g, off_k, off_v, off_g, log_gamma, t, mt,
+                                                       rk, mk, rv, mv, H, K, V, BT, HAS_G, HAS_DECAY, IS_BF16)
+        b_a, b_r, r_n = _chunk_first_order(b_q, b_kt, b_v, P, pn, G, g1, NORM, IS_BF16, PREC)
+        P, E, pn, en = _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM, IS_BF16, PREC)
+        R += dot(b_kt, b_q, IS_BF16, PREC)                                   # K^T Q  [BK, BK]
+        log_rho += bL
+    i_sg = i_bh.to(tl.int64) * NSEG + i_n
+    store_mat(sum_p + i_sg * K * V, P, rk, mk, rv, mv, V)
+    store_mat(sum_e + i_sg * K * V, E, rk, mk, rv, mv, V)
+    if i_v == 0:
+        store_mat(sum_r + i_sg * K * K, R, rk, mk, rk, mk, K)
+        tl.store(sum_lr + i_sg, log_rho)
+        if NORM:
+            tl.store(sum_pn + i_sg * K + rk, pn, mask=mk)
+            tl.store(sum_en + i_sg * K + rk, en, mask=mk)
+
+
+@triton.heuristics({
+    "HAS_INIT": lambda a: a["h0_p"] is not None,
+    "NORM": lambda a: a["sum_pn"] is not None,
+})
+@triton.jit
+def ahla_fwd_fold_kernel(
+    sum_p, sum_e, sum_pn, sum_en, sum_r, sum_lr,  # segment summaries (ahla_fwd_summary_kernel)
+    h0_p, h0_e, h0_pn, h0_en,                    # state before the sequence [B*H, ..] or None
+    seg_p, seg_e, seg_pn, seg_en,                # out: state at each segment's start [B*H*NSEG, ..]
+    NSEG,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PREC: tl.constexpr, HAS_INIT: tl.constexpr, NORM: tl.constexpr,
+):
+    """Fold the segment summaries in order (the combine of ``hla_ref.ahla_combine``): with
+    rho = exp(log rho),  E <- rho E + rho R_seg P + E_seg,  P <- rho P + P_seg  (p, e alike)."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    rk = tl.arange(0, BK)
+    rv = i_v * BV + tl.arange(0, BV)
+    mk = rk < K
+    mv = rv < V
+    P = mat_or_zeros(h0_p, i_bh.to(tl.int64) * K * V, rk, mk, rv, mv, V, BK, BV, HAS_INIT)
+    E = mat_or_zeros(h0_e, i_bh.to(tl.int64) * K * V, rk, mk, rv, mv, V, BK, BV, HAS_INIT)
+    if NORM:
+        pn = vec_or_zeros(h0_pn, i_bh.to(tl.int64) * K, rk, mk, BK, HAS_INIT)
+        en = vec_or_zeros(h0_en, i_bh.to(tl.int64) * K, rk, mk, BK, HAS_INIT)
+    for i_s in range(0, NSEG):
+        i_sg = i_bh.to(tl.int64) * NSEG + i_s
+        store_mat(seg_p + i_sg * K * V, P, rk, mk, rv, mv, V)
+        store_mat(seg_e + i_sg * K * V, E, rk, mk, rv, mv, V)
+        if NORM:
+            if i_v == 0:
+                tl.store(seg_pn + i_sg * K + rk, pn, mask=mk)
+                tl.store(seg_en + i_sg * K + rk, en, mask=mk)
+        rho = tl.exp(tl.load(sum_lr + i_sg))
+        b_r = load_mat(sum_r + i_sg * K * K, rk, mk, rk, mk, K)
+        E = (E + tl.dot(b_r, P, input_precision=PREC)) * rho + load_mat(sum_e + i_sg * K * V, rk, mk, rv, mv, V)
+        P = P * rho + load_mat(sum_p + i_sg * K * V, rk, mk, rv, mv, V)
+        if NORM:
+            en = (en + tl.sum(b_r * pn[None, :], axis=1)) * rho + load_vec(sum_en + i_sg * K, rk, mk)
+            pn = pn * rho + load_vec(sum_pn + i_sg * K, rk, mk)
+
+
+# ============================================================================ backward
+
+
+@triton.jit
+def _dstate_tiles(q, k, do, g, off_k, off_v, off_g, log_gamma, t, mt, rk, mk, rv, mv,
+                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                  HAS_G: tl.constexpr, HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr):
+    """What one chunk of the backward walk reads: Q^T [BK, BT] (a strided load), K [BT, BK],
+    dO [BT, BV], and the decay factors G^T, g1, gl, gC, bL."""
+    b_qt = load_cols(q + off_k, t, mt, rk, mk, H * K, IS_BF16)
+    b_k = load_rows(k + off_k, t, mt, rk, mk, H * K, IS_BF16)
+    b_do = load_rows(do + off_v, t, mt, rv, mv, H * V, IS_BF16)
+    beta = chunk_beta(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
+    G, g1, g2, gl, gC, bL = chunk_decays(beta, mt, BT, HAS_DECAY)
+    GT = chunk_decays_t(beta, BT, HAS_DECAY)
+    return b_qt, b_k, b_do, GT, g1, gl, gC, bL
+
+
+@triton.jit
+def _dstate_step(b_qt, b_k, b_do, d_p, d_e, GT, g1, gl, gC, IS_BF16: tl.constexpr, PREC: tl.constexpr):
+    """The gradient of a chunk's start state from that of its end state:
+
+        dR = A^T dO + Kg dE,   dE0 = gC dE + Q^T diag(g1) dO,   dP0 = gC dP + Q^T diag(g1) dR
+
+    (A^T = (K Q^T) o G^T from its own dot)."""
+    b_at = tl.where(GT > 0, tl.dot(b_k, b_qt, input_precision=PREC) * GT, 0.0)   # A^T [BT, BT]
+    b_dr = dot(b_at, b_do, IS_BF16, PREC) + dot(b_k * gl[:, None], d_e, IS_BF16, PREC)
+    b_qgt = b_qt * g1[None, :]                                                   # Q^T diag(g1)
+    n_e = d_e * gC + dot(b_qgt, b_do, IS_BF16, PREC)
+    n_p = d_p * gC + dot(b_qgt, b_dr, IS_BF16, PREC)
+    return n_p, n_e
+
+
+@triton.heuristics({
+    "HAS_G": lambda a: a["g"] is not None,
+    "HAS_DHT": lambda a: a["de_p"] is not None,
+    "STORE_DH0": lambda a: a["dh0_p"] is not None,
+})
+@triton.jit
+def ahla_bwd_state_kernel(
+    q, k, do, g,             # q, k: [B, T, H, K]; do: [B, T, H, V]; g: [B, T, H] or None
+    dp_end, de_end,          # out: gradient of each chunk's END state (P, E), fp32 [B*H, NT, K, V]
+    de_p, de_e,              # gradient of each segment's END state, fp32 [B*H*NSEG, K, V]; or None (zero)
+    dh0_p, dh0_e,            # out: gradient of the initial state, fp32 [B*H, K, V]; or None
+    log_gamma, T, NS,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+):
+    """One program per (value block, segment, batch*head) walks its segment's chunks from last to
+    first carrying the state gradients (dP, dE) of its value columns (``_dstate_step``), storing
+    each chunk's end-state gradient for the per-chunk kernel; the first segment stores the initial
+    state's gradient."""
+    i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NSEG = tl.num_programs(1)
+    NT = tl.cdiv(T, BT)
+    off_k, off_v, off_g = _head_offsets(i_bh, T, H, K, V)
+    rt = tl.arange(0, BT)
+    rk = tl.arange(0, BK)
+    rv = i_v * BV + tl.arange(0, BV)
+    mk = rk < K
+    mv = rv < V
+    lo = i_n * NS
+    hi = tl.minimum(lo + NS, NT)
+    i_sg = i_bh.to(tl.int64) * NSEG + i_n
+    d_p = mat_or_zeros(de_p, i_sg * K * V, rk, mk, rv, mv, V, BK, BV, HAS_DHT)    # [BK, BV]
+    d_e = mat_or_zeros(de_e, i_sg * K * V, rk, mk, rv, mv, V, BK, BV, HAS_DHT)    # [BK, BV]
+    for i_r in range(0, hi - lo):
+        i_c = hi - 1 - i_r
+        off_cs = (i_bh.to(tl.int64) * NT + i_c) * K * V
+        store_mat(dp_end + off_cs, d_p, rk, mk, rv, mv, V)
+        store_mat(de_end + off_cs, d_e, rk, mk, rv, mv, V)
+        t = i_c * BT + rt
+        mt = t < T
+        b_qt, b_k, b_do, GT, g1, gl, gC, bL = _dstate_tiles(q, k, do, g, off_k, off_v, off_g, log_gamma, t, mt,
+                                                            rk, mk, rv, mv, H, K, V, BT, HAS_G, HAS_DECAY, IS_BF16)
+        d_p, d_e = _dstate_step(b_qt, b_k, b_do, d_p, d_e, GT, g1, gl, gC, IS_BF16, PREC)
+    if STORE_DH0:
+        if i_n == 0:
+            base = i_bh.to(tl.int64) * K * V
+            store_mat(dh0_p + base, d_p, rk, mk, rv, mv, V)
+            store_mat(dh0_e + base, d_e, rk, mk, rv, mv, V)
+
+
+@triton.heuristics({
+    "HAS_G": lambda a: a["g"] is not None,
+})
+@triton.jit
+def ahla_bwd_summary_kernel(
+    q, k, do, g,             # as in ahla_bwd_state_kernel
+    sum_dp, sum_de,          # out: each segment's start-state gradient from a zero end gradient [B*H*NSEG, K, V]
+    sum_rt, sum_lr,          # out: R^T = sum_i q_i k_i^T over the segment [B*H*NSEG, K, K]; log rho [B*H*NSEG]
+    log_gamma, T, NS,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
+    HAS_G: tl.constexpr,
+):
+    """Each segment's backward summary: the walk of ``ahla_bwd_state_kernel`` from a zero end
+    gradient, R^T and log rho. (The transpose of the forward's segment map: an end gradient
+    (dP, dE) reaches the segment's start as rho dP + rho R^T dE and rho dE.)"""
+    i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NSEG = tl.num_programs(1)
+    NT = tl.cdiv(T, BT)
+    off_k, off_v, off_g = _head_offsets(i_bh, T, H, K, V)
+    rt = tl.arange(0, BT)
+    rk = tl.arange(0, BK)
+    rv = i_v * BV + tl.arange(0, BV)
+    mk = rk < K
+    mv = rv < V
+    lo = i_n * NS
+    hi = tl.minimum(lo + NS, NT)
+    d_p = tl.zeros([BK, BV], dtype=tl.float32)
+    d_e = tl.zeros([BK, BV], dtype=tl.float32)
+    b_rt = tl.zeros([BK, BK], dtype=tl.float32)
+    log_rho = 0.0
+    for i_r in range(0, hi - lo):
+        i_c = hi - 1 - i_r
+        t = i_c * BT + rt
+        mt = t < T
+        b_qt, b_k, b_do, GT, g1, gl, gC, bL = _dstate_tiles(q, k, do, g, off_k, off_v, off_g, log_gamma, t, mt,
+                                                            rk, mk, rv, mv, H, K, V, BT, HAS_G, HAS_DECAY, IS_BF16)
+        d_p, d_e = _dstate_step(b_qt, b_k, b_do, d_p, d_e, GT, g1, gl, gC, IS_BF16, PREC)
+        b_rt += dot(b_qt, b_k, IS_BF16, PREC)                                # Q^T K  [BK, BK]
+        log_rho += bL
+    i_sg = i_bh.to(tl.int64) * NSEG + i_n
+    store_mat(sum_dp + i_sg * K * V, d_p, rk, mk, rv, mv, V)
+    store_mat(sum_de + i_sg * K * V, d_e, rk, mk, rv, mv, V)
+    if i_v == 0:
+        store_mat(sum_rt + i_sg * K * K, b_rt, rk, mk, rk, mk, K)
+        tl.store(sum_lr + i_sg, log_rho)
+
+
+@triton.heuristics({
+    "HAS_DHT": lambda a: a["dht_p"] is not None,
+})
+@triton.jit
+def ahla_bwd_fold_kernel(
+    sum_dp, sum_de, sum_rt, sum_lr,  # segments' backward summaries (ahla_bwd_summary_kernel)
+    dht_p, dht_e,                    # gradient of the final state, fp32 [B*H, K, V]; or None
+    de_p, de_e,                      # out: gradient of each segment's END state [B*H*NSEG, K, V]
+    NSEG,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PREC: tl.constexpr, HAS_DHT: tl.constexpr,
+):
+    """Fold the backward summaries from the last segment to the first (the transpose of the
+    forward's fold):  dP <- rho dP + rho R^T dE + dP_seg,  dE <- rho dE + dE_seg."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    rk = tl.arange(0, BK)
+    rv = i_v * BV + tl.arange(0, BV)
+    mk = rk < K
+    mv = rv < V
+    d_p = mat_or_zeros(dht_p, i_bh.to(tl.int64) * K * V, rk, mk, rv, mv, V, BK, BV, HAS_DHT)
+    d_e = mat_or_zeros(dht_e, i_bh.to(tl.int64) * K * V, rk, mk, rv, mv, V, BK, BV, HAS_DHT)
+    for i_r in range(0, NSEG):
+        i_sg = i_bh.to(tl.int64) * NSEG + NSEG - 1 - i_r
+        store_mat(de_p + i_sg * K * V, d_p, rk, mk, rv, mv, V)
+        store_mat(de_e + i_sg * K * V, d_e, rk, mk, rv, mv, V)
+        rho = tl.exp(tl.load(sum_lr + i_sg))
+        b_rt = load_mat(sum_rt + i_sg * K * K, rk, mk, rk, mk, K)
+        d_p = (d_p + tl.dot(b_rt, d_e, input_precision=PREC)) * rho + load_mat(sum_dp + i_sg * K * V, rk, mk, rv, mv, V)
+        d_e = d_e * rho + load_mat(sum_de + i_sg * K * V, rk, mk, rv, mv, V)
+
+
+@triton.jit
+def _chunk_value_block_grads(b_q, b_qgt, b_k, b_kg, b_kgt, b_a, b_at, G, GT, g1, gl,
+                             b_v, b_vt, b_do, b_dot, b_p0, b_p0t, b_e0t, d_p, d_pt, d_e, d_et,
+                             IS_BF16: tl.constexpr, PREC: tl.constexpr):
+    """One value block's share of a chunk's gradients (see the module docstring): returns its
+    terms of dQ and dK [BT, BK] (to be summed over blocks) and its dV [BT, BV]."""
+    b_qg = b_q * g1[:, None]
+    # -- R and R^T, dR and dR^T, each from its own dots ---------------------------------------
+    b_r = dot(b_qg, b_p0, IS_BF16, PREC) + dot(b_a, b_v, IS_BF16, PREC)                # [BT, BV]
+    b_rt = dot(b_p0t, b_qgt, IS_BF16, PREC) + dot(b_vt, b_at, IS_BF16, PREC)           # [BV, BT]
+    b_dr = dot(b_at, b_do, IS_BF16, PREC) + dot(b_kg, d_e, IS_BF16, PREC)              # [BT, BV]
+    b_drt = dot(b_dot, b_a, IS_BF16, PREC) + dot(d_et, b_kgt, IS_BF16, PREC)           # [BV, BT]
+    # -- dX = (dO R^T + dR V^T) o G and its transpose --------------------------------------
+    b_dx = dot(b_do, b_rt, IS_BF16, PREC) + dot(b_dr, b_vt, IS_BF16, PREC)
+    b_dx = tl.where(G > 0, b_dx * G, 0.0)
+    b_dxt = dot(b_r, b_dot, IS_BF16, PREC) + dot(b_v, b_drt, IS_BF16, PREC)
+    b_dxt = tl.where(GT > 0, b_dxt * GT, 0.0)
+    # -- dQ = diag(g1) (dO E0^T + dR P0^T) + dX K ----------------------------------------------
+    b_dq = (dot(b_do, b_e0t, IS_BF16, PREC) + dot(b_dr, b_p0t, IS_BF16, PREC)) * g1[:, None]
+    b_dq += dot(b_dx, b_k, IS_BF16, PREC)
+    # -- dK = dX^T Q + diag(gl) (V dP^T + R dE^T) -----------------------------------------------
+    b_dk = dot(b_dxt, b_q, IS_BF16, PREC)
+    b_dk += (dot(b_v, d_pt, IS_BF16, PREC) + dot(b_r, d_et, IS_BF16, PREC)) * gl[:, None]
+    # -- dV = A^T dR + Kg dP ----------------------------------------------------------------------
+    b_dv = dot(b_at, b_dr, IS_BF16, PREC) + dot(b_kg, d_p, IS_BF16, PREC)
+    return b_dq, b_dk, b_dv
+
+
+@triton.jit
+def _chunk_key_tiles(q, k, g, off_k, off_g, log_gamma, t, mt, rk, mk,
+                     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                     HAS_G: tl.constexpr, HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr):
+    """What every value block of a chunk's gradients shares: Q, K [BT, BK] and Q^T, K^T [BK, BT]
+    (strided loads), the decay factors G, G^T, g1, gl, A = (Q K^T) o G and A^T [BT, BT] (each from
+    its own dot), Q^T diag(g1), diag(gl) K and its transpose."""
+    b_q = load_rows(q + off_k, t, mt, rk, mk, H * K, IS_BF16)
+    b_qt = load_cols(q + off_k, t, mt, rk, mk, H * K, IS_BF16)
+    b_k = load_rows(k + off_k, t, mt, rk, mk, H * K, IS_BF16)
+    b_kt = load_cols(k + off_k, t, mt, rk, mk, H * K, IS_BF16)
+    beta = chunk_beta(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
+    G, g1, g2, gl, gC, bL = chunk_decays(beta, mt, BT, HAS_DECAY)
+    GT = chunk_decays_t(beta, BT, HAS_DECAY)
+    b_a = tl.where(G > 0, tl.dot(b_q, b_kt, input_precision=PREC) * G, 0.0)      # A   [BT, BT]
+    b_at = tl.where(GT > 0, tl.dot(b_k, b_qt, input_precision=PREC) * GT, 0.0)   # A^T [BT, BT]
+    b_qgt = b_qt * g1[None, :]
+    b_kg = b_k * gl[:, None]
+    b_kgt = b_kt * gl[None, :]
+    return b_q, b_qgt, b_k, b_kg, b_kgt, b_a, b_at, G, GT, g1, gl
+
+
+@triton.heuristics({
+    "HAS_G": lambda a: a["g"] is not None,
+    "HAS_DB": lambda a: a["db"] is not None,
+})
+@triton.jit
+def ahla_bwd_grad_kernel(
+    q, k, v, do, g,          # inputs as in the forward; do: [B, T, H, V]
+    dq, dk, dv,              # out: gradients, same shapes and dtypes as q, k, v
+    db,                      # out: dL/db_t without the final state's share, fp32 [B, T, H]; or None
+    cs_p, cs_e,              # chunk-start snapshots [B*H, NT, K, V] (P0, E0)
+    dp_end, de_end,          # chunk-end state gradients (ahla_bwd_state_kernel), fp32, same shape
+    log_gamma, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_DB: tl.constexpr, KEYS_PER_BLOCK: tl.constexpr = False,
+):
+    """One program per (chunk, batch*head): every chunk is independent here. The value columns are
+    walked in blocks of BV (dQ and dK summed over them, dV stored per block).
+
+    KEYS_PER_BLOCK: form the key tiles and A, A^T (``_chunk_key_tiles``) afresh in every value
+    block instead of once before the loop. Kept across the loop, the compiler holds their
+    shared-memory copies (dot operands) for the whole loop beside every value block's own, which
+    for wide keys or fp32 tiles passes the multiprocessor's shared memory; formed per block, they
+    live one block long (at the cost of two more [BT, BT] dots and the reloads per block).
+
+    db: dL/db_s = q_s.dq_s - k_s.dk_s (module docstring, gate gradient)."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    NT = tl.cdiv(T, BT)
+    off_k, off_v, off_g = _head_offsets(i_bh, T, H, K, V)
+    rt = tl.arange(0, BT)
+    rk = tl.arange(0, BK)
+    mk = rk < K
+    t = i_c * BT + rt
+    mt = t < T
+    # -- the chunk's key tiles, plain and transposed (strided loads), and its decay factors ------
+    if not KEYS_PER_BLOCK:
+        b_q, b_qgt, b_k, b_kg, b_kgt, b_a, b_at, G, GT, g1, gl = _chunk_key_tiles(
+            q, k, g, off_k, off_g, log_gamma, t, mt, rk, mk, H, K, BT, HAS_G, HAS_DECAY, IS_BF16, PREC)
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    off_cs = (i_bh.to(tl.int64) * NT + i_c) * K * V
+    for i_v in range(0, tl.cdiv(V, BV)):
+        rv = i_v * BV + tl.arange(0, BV)
+        mv = rv < V
+        if KEYS_PER_BLOCK:
+            b_q, b_qgt, b_k, b_kg, b_kgt, b_a, b_at, G, GT, g1, gl = _chunk_key_tiles(
+                q, k, g, off_k, off_g, log_gamma, t, mt, rk, mk, H, K, BT, HAS_G, HAS_DECAY, IS_BF16, PREC)
+        # -- this value block's tiles: inputs, snapshots, end-state gradients ----------------
+        b_v = load_rows(v + off_v, t, mt, rv, mv, H * V, IS_BF16)
+        b_vt = load_cols(v + off_v, t, mt, rv, mv, H * V, IS_BF16)
+        b_do = load_rows(do + off_v, t, mt, rv, mv, H * V, IS_BF16)
+        b_dot = load_cols(do + off_v, t, mt, rv, mv, H * V, IS_BF16)
+        b_p0 = cast(load_mat(cs_p + off_cs, rk, mk, rv, mv, V), IS_BF16)           # [BK, BV]
+        b_p0t = cast(load_mat_t(cs_p + off_cs, rv, mv, rk, mk, V), IS_BF16)        # [BV, BK]
+        b_e0t = cast(load_mat_t(cs_e + off_cs, rv, mv, rk, mk, V), IS_BF16)        # [BV, BK]
+        d_p = load_mat(dp_end + off_cs, rk, mk, rv, mv, V)
+        d_pt = load_mat_t(dp_end + off_cs, rv, mv, rk, mk, V)
+        d_e = load_mat(de_end + off_cs, rk, mk, rv, mv, V)
+        d_et = load_mat_t(de_end + off_cs, rv, mv, rk, mk, V)
+        p_dq, p_dk, b_dv = _chunk_value_block_grads(
+            b_q, b_qgt, b_k, b_kg, b_kgt, b_a, b_at, G, GT, g1, gl, b_v, b_vt, b_do, b_dot,
+            b_p0, b_p0t, b_e0t, d_p, d_pt, d_e, d_et, IS_BF16, PREC)
+        b_dq += p_dq
+        b_dk += p_dk
+        tl.store(dv + off_v + t[:, None] * (H * V) + rv[None, :], b_dv.to(dv.dtype.element_ty),
+                 mask=mt[:, None] & mv[None, :])
+    # -- store dq, dk and db ------------------------------------------------------------------
+    m_tk = mt[:, None] & mk[None, :]
+    tl.store(dq + off_k + t[:, None] * (H * K) + rk[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(dk + off_k + t[:, None] * (H * K) + rk[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    if HAS_DB:
+        if KEYS_PER_BLOCK:
+            b_q = load_rows(q + off_k, t, mt, rk, mk, H * K, IS_BF16)
+            b_k = load_rows(k + off_k, t, mt, rk, mk, H * K, IS_BF16)
+        b_db = tl.sum(b_q.to(tl.float32) * b_dq, axis=1) - tl.sum(b_k.to(tl.float32) * b_dk, axis=1)
+        tl.store(db + off_g + t * H, b_db, mask=mt)

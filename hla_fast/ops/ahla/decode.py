@@ -1,0 +1,118 @@
+"""One-token AHLA decode step: a Triton kernel and its torch twin.
+
+Compact recurrence per (batch, head), state fp32, with the token's factor a = exp(g) (g the
+log-gate; a = gamma for a constant decay, 1 without decay):
+
+    P <- a P + k v^T           [K, V]
+    r  = q^T P                 [V]      (the token's first-order output, R_t)
+    E <- a E + k r^T           [K, V]
+    o  = q^T E                 [V]
+    p <- a p + k,  e <- a e + k (q . p),  o / (q . e + eps)     (normalize only)
+
+r needs every row of the new P, but each value column is independent: the kernel splits the
+columns of P and E over programs, so each state element is read once and written once and no
+partial sums cross programs. p and e (K numbers) are recomputed by every column block and stored
+by the first. Work is O(K V) per head and the step is bound by state traffic.
+
+The kernel has no backward: ``ahla_step`` runs the torch step (differentiable) whenever a
+gradient is being recorded.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common.launch import cdiv, next_pow2
+from ..common.step import step_factors, step_gamma, step_inputs, step_output, step_state_buffers
+from .state import AHLAState
+
+
+@triton.heuristics({
+    "HAS_G": lambda a: a["g"] is not None,
+    "NORM": lambda a: a["pn_in"] is not None,
+})
+@triton.jit
+def ahla_step_kernel(
+    q, k, v, g,              # [B*H, K], [B*H, K], [B*H, V] (any float dtype); log-gates [B*H] or None
+    p_in, e_in,              # fp32 state: P, E [B*H, K, V]
+    pn_in, en_in,            # fp32 normalizer state p, e [B*H, K] (or None)
+    p_out, e_out,            # fp32 new P, E, same shapes
+    pn_out, en_out,          # fp32 new p, e (or None)
+    o, den,                  # out: o [B*H, V] fp32; den [B*H] fp32 (or None)
+    gamma,                   # the constant factor when g is None
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_G: tl.constexpr, NORM: tl.constexpr,
+):
+    i_bh = tl.program_id(0)  # batch * head
+    i_v = tl.program_id(1)   # block of BV value columns
+    rk = tl.arange(0, BK)
+    rv = i_v * BV + tl.arange(0, BV)
+    mk = rk < K
+    mv = rv < V
+    base = i_bh.to(tl.int64) * K * V
+    # -- the token ----------------------------------------------------------------------------
+    b_q = tl.load(q + i_bh * K + rk, mask=mk, other=0.0).to(tl.float32)
+    b_k = tl.load(k + i_bh * K + rk, mask=mk, other=0.0).to(tl.float32)
+    b_v = tl.load(v + i_bh * V + rv, mask=mv, other=0.0).to(tl.float32)
+    if HAS_G:
+        a = tl.exp(tl.load(g + i_bh).to(tl.float32))
+    else:
+        a = gamma
+    # -- P <- a P + k v^T, r = q^T P on our columns ---------------------------------------------
+    p_s = base + rk[:, None] * V + rv[None, :]
+    m_s = mk[:, None] & mv[None, :]
+    b_p = tl.load(p_in + p_s, mask=m_s, other=0.0) * a + b_k[:, None] * b_v[None, :]
+    tl.store(p_out + p_s, b_p, mask=m_s)
+    b_r = tl.sum(b_q[:, None] * b_p, axis=0)                                    # [BV]
+    # -- E <- a E + k r^T, o = q^T E --------------------------------------------------------------
+    b_e = tl.load(e_in + p_s, mask=m_s, other=0.0) * a + b_k[:, None] * b_r[None, :]
+    tl.store(e_out + p_s, b_e, mask=m_s)
+    tl.store(o + i_bh * V + rv, tl.sum(b_q[:, None] * b_e, axis=0), mask=mv)
+    if NORM:
+        b_pn = tl.load(pn_in + i_bh * K + rk, mask=mk, other=0.0) * a + b_k
+        b_en = tl.load(en_in + i_bh * K + rk, mask=mk, other=0.0) * a + b_k * tl.sum(b_q * b_pn, axis=0)
+        if i_v == 0:
+            tl.store(pn_out + i_bh * K + rk, b_pn, mask=mk)
+            tl.store(en_out + i_bh * K + rk, b_en, mask=mk)
+            tl.store(den + i_bh, tl.sum(b_q * b_en, axis=0))
+
+
+def ahla_step_triton(q, k, v, state, g, gamma, normalize, eps):
+    """Triton decode step. q, k: [B, H, K]; v: [B, H, V]; g: [B, H] log-gates or None (then the
+    constant factor gamma, None for no decay); state: fp32 AHLAState.
+
+    Returns (o [B, H, V] in v's dtype, new AHLAState)."""
+    B, H, K = q.shape
+    V = v.shape[-1]
+    BK = max(16, next_pow2(K))
+    # value columns per program: a [BK, BV] tile of P and of E; 32 columns keep a 128-row tile of
+    # each at 16 fp32 values a thread (4 warps) and give B*H*V/32 programs
+    BV = min(32, max(16, next_pow2(V)))
+    NV = cdiv(V, BV)
+    q, k, v, g = step_inputs(q, k, v, g)
+    (P, E, pn, en), (p_out, e_out, pn_out, en_out) = step_state_buffers(state, normalize, ("p", "e"))
+    o = torch.empty(B * H, V, device=q.device, dtype=torch.float32)
+    den = torch.empty(B * H, device=q.device, dtype=torch.float32) if normalize else None
+    ahla_step_kernel[(B * H, NV)](
+        q=q, k=k, v=v, g=g, p_in=P, e_in=E, pn_in=pn, en_in=en,
+        p_out=p_out, e_out=e_out, pn_out=pn_out, en_out=en_out, o=o, den=den,
+        gamma=step_gamma(gamma), K=K, V=V, BK=BK, BV=BV, num_warps=4)
+    return step_output(o, den, eps, B, H, v.dtype), AHLAState(p_out, e_out, pn_out, en_out)
+
+
+def ahla_step_torch(q, k, v, state, g, gamma, normalize, eps):
+    """Torch decode step (same contract as :func:`ahla_step_triton`; differentiable)."""
+    cd = state.P.dtype
+    qf, kf, vf = q.to(cd), k.to(cd), v.to(cd)
+    a, a2 = step_factors(g, gamma, cd, q.device)  # [B, H, 1] against p, e; [B, H, 1, 1] against P, E
+    P = a2 * state.P + kf[..., :, None] * vf[..., None, :]
+    r = (qf[..., None, :] @ P)[..., 0, :]
+    E = a2 * state.E + kf[..., :, None] * r[..., None, :]
+    o = (qf[..., None, :] @ E)[..., 0, :]
+    pn = en = None
+    if normalize:
+        pn = a * state.p + kf
+        en = a * state.e + kf * (qf * pn).sum(-1, keepdim=True)
+        o = o / ((qf * en).sum(-1, keepdim=True) + eps)
+    return o.to(v.dtype), AHLAState(P, E, pn, en)

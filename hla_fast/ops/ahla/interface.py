@@ -1,0 +1,105 @@
+"""Public entry points of the AHLA operator: :func:`ahla` and :func:`ahla_step`."""
+from __future__ import annotations
+
+import torch
+
+from ..common.checks import check_call, check_chunk_size, check_flag, check_state, zero_state
+from ..common.config import ChunkConfig
+from ..common.gates import gates_from_gamma
+from ..common.varlen import varlen_call
+from .state import AHLAState
+
+
+def _state_shapes(B, H, K, V, normalize):
+    """AHLAState's field shapes (None: a field this call does not keep)."""
+    return {"P": (B, H, K, V), "E": (B, H, K, V), "p": (B, H, K) if normalize else None,
+            "e": (B, H, K) if normalize else None}
+
+
+def _check_state(state, B, H, K, V, normalize, q, name):
+    return check_state(state, AHLAState, _state_shapes(B, H, K, V, normalize), {"p", "e"}, q, name)
+
+
+def ahla(q, k, v, *, gamma=None, g=None, normalize=False, eps=1e-6, initial_state=None,
+         output_final_state=False, chunk_size=64, backend=None, config=None, cu_seqlens=None):
+    """Asymmetric HLA (AHLA) with a constant decay or per-token gates.
+
+    o_t = sum_{j <= i <= t} exp(b_t - b_j) (q_t . k_i)(q_i . k_j) v_j with b_t = sum_{s <= t} g_s
+    (g = log(gamma) for a constant decay), divided by the same sum with v_j -> 1 plus eps when
+    ``normalize``. No scaling is applied to q or k. It is first-order linear attention applied
+    twice: R_i = sum_{j <= i} exp(b_i - b_j)(q_i . k_j) v_j, o_t = sum_{i <= t} exp(b_t - b_i)(q_t . k_i) R_i.
+
+    Args:
+        q, k: [B, T, H, K] float32, bfloat16 or float16 (float64 too on backend="torch").
+        v: [B, T, H, V], same dtype and device as q.
+        gamma: None (no decay) or a float in (0, 1] (not a tensor that requires grad: use g).
+        g: None or log-gates [B, T, H] (every value <= 0: the factor exp(g) in (0, 1] per token
+            and head; flash-linear-attention's convention); exclusive with gamma. Differentiable.
+        normalize: divide by the denominator (den + eps). The denominator is a signed sum and
+            can cross zero; there the output is ill-conditioned.
+        eps: finite float >= 0.
+        initial_state: AHLAState(P [B, H, K, V], E [B, H, K, V], p [B, H, K], e [B, H, K] if
+            normalize), fp32 (float64 on the float64 torch path), or None for zeros. Differentiable.
+        output_final_state: also return the state after the last token.
+        chunk_size: rows per chunk (16, 32, 64 or 128 on the triton backend); the result does
+            not depend on it.
+        backend: "triton", "torch" or None (triton for CUDA tensors, torch otherwise).
+        config: a ChunkConfig for the triton backend (None: ``ahla_config``'s rule). Its
+            ``grad_parts`` is not used (the backward has one gradient launch); segments need
+            K <= 128.
+        cu_seqlens: None, or int32 offsets [N + 1] of N sequences packed along T (B == 1);
+            initial_state and the final state then have N rows. Runs as a padded batch of N
+            (``hla_fast/ops/common/varlen.py``: exact; costs N * max length rows).
+
+    Returns:
+        (o [B, T, H, V] in v's dtype, AHLAState or None).
+    """
+    if cu_seqlens is not None:  # packed sequences: a padded batch on the same kernels
+        return varlen_call(ahla, q, k, v, cu_seqlens, gamma=gamma, g=g, normalize=normalize, eps=eps,
+                           initial_state=initial_state, output_final_state=output_final_state,
+                           chunk_size=chunk_size, backend=backend, config=config)
+    (B, T, H, K, V), gamma, g, eps, backend = check_call(q, k, v, gamma, g, normalize, eps, backend, seq=True)
+    check_flag(output_final_state, "output_final_state")
+    check_chunk_size(chunk_size, backend)
+    st = _check_state(initial_state, B, H, K, V, normalize, q, "initial_state")
+    if config is not None and not isinstance(config, ChunkConfig):
+        raise TypeError(f"config must be a ChunkConfig or None, got {type(config).__name__}")
+    if backend == "torch":
+        from .torch_backend import ahla_torch
+
+        gates = g if g is not None else (gates_from_gamma(gamma, q[..., 0]) if gamma is not None else None)
+        o, final = ahla_torch(q, k, v, gates, normalize, eps, st, chunk_size)
+        return o, (final if output_final_state else None)
+    from .chunk import ahla_chunked
+
+    p0, e0, pn0, en0 = (None,) * 4 if st is None else tuple(None if x is None else x.contiguous() for x in st)
+    o, PT, ET, pT, eT = ahla_chunked(q.contiguous(), k.contiguous(), v.contiguous(),
+                                     None if g is None else g.contiguous(), gamma, p0, e0, pn0, en0,
+                                     normalize, eps, config, chunk_size)
+    return o, (AHLAState(PT, ET, pT, eT) if output_final_state else None)
+
+
+def ahla_step(q, k, v, state=None, *, gamma=None, g=None, normalize=False, eps=1e-6, backend=None):
+    """One decode step of AHLA, O(K V) per head.
+
+    Args:
+        q, k: [B, H, K]; v: [B, H, V] (same dtype and device).
+        state: AHLAState(P, E [B, H, K, V], p, e [B, H, K] if normalize), fp32 (float64 on the
+            float64 torch path); None starts from zeros.
+        gamma: None or a float in (0, 1]; g: None or log-gates [B, H] (<= 0), exclusive.
+    Returns:
+        (o [B, H, V] in v's dtype, new AHLAState). The input state is not modified. The Triton
+        kernel has no backward: while autograd records (an input requires grad), the step runs
+        on the torch path, which differentiates it.
+    """
+    (B, _, H, K, V), gamma, g, eps, backend = check_call(q, k, v, gamma, g, normalize, eps, backend, seq=False)
+    if state is None:
+        state = zero_state(AHLAState, _state_shapes(B, H, K, V, normalize), q)
+    st = _check_state(state, B, H, K, V, normalize, q, "state")
+    from .decode import ahla_step_torch, ahla_step_triton
+
+    recording = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, *st))
+    if backend == "triton" and not recording:
+        return ahla_step_triton(q, k, v, st, g, gamma, normalize, eps)
+    return ahla_step_torch(q, k, v, st, g, gamma, normalize, eps)

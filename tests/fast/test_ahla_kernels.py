@@ -1,0 +1,382 @@
+"""AHLA's own launchers (hla_fast/ops/ahla/chunk.py, decode.py) beyond the operator contract: chunk
+sizes, value blocks in both passes, kept or recomputed chunk states, the state the walk carries,
+bf16 inputs, strong gates, a wide head, the configuration rule and the decode kernel. Under
+TRITON_INTERPRET=1 on a CPU, compiled on CUDA. Kernel outputs are poisoned with NaN first."""
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from .conftest import DEVICE, HAS_CUDA
+from .helpers import brute_ahla, rand_gates, rand_qkv, rel, torch
+
+import hla_fast
+from hla_fast import AHLAState, ChunkConfig
+from hla_fast.ops.ahla.naive import ahla_naive_recurrent
+
+chunk = importlib.import_module("hla_fast.ops.ahla.chunk")
+decode = importlib.import_module("hla_fast.ops.ahla.decode")
+
+# fp32 kernels against float64: the products are fp32 (ieee on the interpreter, tf32x3 on a GPU)
+TOL = 1e-5
+
+
+def _cfg(fwd_chunk=16, bwd_chunk=16, block_v=16, save_states=True):
+    return ChunkConfig(fwd_chunk=fwd_chunk, bwd_chunk=bwd_chunk, fwd_block_v=block_v, grad_parts=(7,),
+                       save_states=save_states)
+
+
+def _inputs(device, B=1, T=45, H=2, K=12, V=20, seed=5, positive=False):
+    q, k, v = rand_qkv(B, T, H, K, V, seed=seed, positive=positive, device=device)
+    return q, k, v, rand_gates(B, T, H, seed=seed, device=device)
+
+
+def _grads64(q, k, v, g, do, st0=None, normalize=False):
+    """float64 torch-path output and gradients (q, k, v, g, then the state's parts)."""
+    leaves = [x.detach().double().cpu().requires_grad_() for x in (q, k, v, g)]
+    st = None if st0 is None else AHLAState(*(None if x is None else x.detach().double().cpu().requires_grad_()
+                                             for x in st0))
+    o, _ = hla_fast.ahla(*leaves[:3], g=leaves[3], normalize=normalize, initial_state=st, backend="torch")
+    parts = [] if st is None else [x for x in st if x is not None]
+    return o, torch.autograd.grad((o * do.double().cpu()).sum(), leaves + parts)
+
+
+@pytest.mark.parametrize("C", [16, 32, 64])
+@pytest.mark.parametrize("T", [1, 17, 45, 70])
+def test_every_chunk_size_is_the_index_sum(C, T, device, poison):
+    q, k, v, g = _inputs(device, T=T, seed=T)
+    o, _ = hla_fast.ahla(q, k, v, g=g, chunk_size=C, backend="triton")
+    assert rel(o, brute_ahla(q, k, v, g=g)) < TOL
+
+
+@pytest.mark.parametrize("bwd_chunk", [16, 32])
+@pytest.mark.parametrize("save_states", [False, True])
+@pytest.mark.parametrize("segments", [1, 3])
+def test_backward_chunks_and_kept_or_recomputed_states(bwd_chunk, save_states, segments, device, poison):
+    """The backward's chunk need not be the forward's (then the states are recomputed); kept and
+    recomputed chunk-start states, one walk or segments, give the same gradients."""
+    q, k, v, g = _inputs(device, T=50, seed=6)
+    do = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=torch.Generator().manual_seed(7))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g)]
+    o, _ = hla_fast.ahla(*leaves[:3], g=leaves[3], backend="triton",
+                         config=_cfg(bwd_chunk=bwd_chunk, save_states=save_states).replace(
+                             fwd_segments=segments, bwd_segments=segments))
+    got = torch.autograd.grad((o * do.to(device)).sum(), leaves)
+    o64, want = _grads64(q, k, v, g, do)
+    assert rel(o, o64) < TOL
+    for name, a, b in zip(["dq", "dk", "dv", "dg"], got, want):
+        assert rel(a, b) < (1e-4 if name == "dg" else TOL), name
+
+
+@pytest.mark.parametrize("keys_per_block", [False, True])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_value_blocks_in_both_passes(normalize, keys_per_block, device, poison, monkeypatch):
+    """V = 80: five forward value blocks of 16, two backward blocks of 64 (BWD_BLOCK_V; 81 columns
+    normalized), with an initial state whose columns are split the same way; the per-chunk
+    gradient kernel keeps its key tiles across the value blocks or forms them in each."""
+    monkeypatch.setattr(chunk, "grad_keys_per_block", lambda n, BK, dtype: keys_per_block)
+    B, T, H, K, V = 1, 33, 2, 12, 80
+    q, k, v, g = _inputs(device, B, T, H, K, V, seed=8, positive=normalize)
+    gen = torch.Generator().manual_seed(9)
+    st0 = AHLAState(0.2 * torch.randn(B, H, K, V, generator=gen), 0.2 * torch.randn(B, H, K, V, generator=gen),
+                    0.2 * torch.rand(B, H, K, generator=gen) if normalize else None,
+                    0.2 * torch.rand(B, H, K, generator=gen) if normalize else None)
+    st0 = AHLAState(*(None if x is None else x.to(device) for x in st0))
+    do = torch.randn(B, T, H, V, generator=gen)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g)]
+    parts = [None if x is None else x.clone().requires_grad_() for x in st0]
+    o, _ = hla_fast.ahla(*leaves[:3], g=leaves[3], normalize=normalize, initial_state=AHLAState(*parts),
+                         backend="triton", config=_cfg(block_v=16))
+    got = torch.autograd.grad((o * do.to(device)).sum(), leaves + [x for x in parts if x is not None])
+    o64, want = _grads64(q, k, v, g, do, st0, normalize)
+    assert rel(o, o64) < TOL
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert rel(a, b) < (1e-4 if i == 3 else TOL), i
+    # one forward value block gives the same output
+    o_one, _ = hla_fast.ahla(q, k, v, g=g, normalize=normalize, initial_state=st0, backend="triton",
+                             config=_cfg(block_v=128))
+    assert rel(o_one, o) < 1e-6
+
+
+def test_snapshots_are_the_states_at_chunk_starts(device, poison):
+    """The forward's chunk-start snapshots and the final state are the token recurrence's states."""
+    B, T, H, K, V = 1, 40, 2, 12, 20
+    q, k, v, g = _inputs(device, B, T, H, K, V, seed=10)
+    gen = torch.Generator().manual_seed(11)
+    p0, e0 = (0.2 * torch.randn(B, H, K, V, generator=gen).to(device) for _ in range(2))
+    _, _, PT, ET, _, _, cs = chunk.fwd_launch(q, k, v, g, None, p0, e0, None, None, chunk=16, warps=4, block_v=16,
+                                              outputs=False, snapshots=torch.float32)
+    st = AHLAState(p0.double().cpu(), e0.double().cpu())
+    for c, t0 in enumerate(range(0, T, 16)):
+        for name, snap, want in (("P", cs[0], st.P), ("E", cs[1], st.E)):
+            assert rel(snap.view(B, H, -1, K, V)[:, :, c], want) < TOL, (name, c)
+        sl = slice(t0, t0 + 16)
+        _, st = ahla_naive_recurrent(q[:, sl].double().cpu(), k[:, sl].double().cpu(), v[:, sl].double().cpu(),
+                                     initial_state=st, g=g[:, sl].double().cpu())
+    assert rel(PT, st.P) < TOL and rel(ET, st.E) < TOL
+
+
+def test_bf16_inputs(device, poison):
+    """bf16 in, bf16 out: against float64 on the same (rounded) inputs, within bf16's rounding of
+    the outputs and gradients (the interpreter widens the dots to fp32; on a GPU they take bf16
+    operands, whose rounding the tolerance also covers)."""
+    q, k, v, g = _inputs(device, T=40, seed=12)
+    q, k, v = (x.bfloat16() for x in (q, k, v))
+    do = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=torch.Generator().manual_seed(13))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g)]
+    o, st = hla_fast.ahla(*leaves[:3], g=leaves[3], backend="triton", output_final_state=True, config=_cfg())
+    assert o.dtype == torch.bfloat16 and st.P.dtype == torch.float32
+    got = torch.autograd.grad((o.float() * do.to(device)).sum(), leaves)
+    o64, want = _grads64(q, k, v, g, do)
+    assert rel(o, o64) < 2e-2
+    for a, b in zip(got, want):
+        assert rel(a, b) < 3e-2
+
+
+def test_strong_gates_underflow_to_zero_not_nan(device, poison):
+    """Gates near -30 per token: every decay across a token underflows in fp32; nothing overflows."""
+    q, k, v, g = _inputs(device, T=37, seed=14)
+    g = g.clone()
+    g[:, ::3] = -30.0
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g)]
+    o, _ = hla_fast.ahla(*leaves[:3], g=leaves[3], backend="triton", config=_cfg())
+    assert rel(o, brute_ahla(q, k, v, g=g)) < TOL
+    grads = torch.autograd.grad(o.square().sum(), leaves)
+    assert all(torch.isfinite(x).all() for x in grads)
+
+
+def test_wide_head(device, poison):
+    """K = 130 (a 256-wide key tile), V = 20."""
+    q, k, v, g = _inputs(device, T=20, K=130, V=20, seed=15)
+    q, k = q * 0.3, k * 0.3
+    do = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=torch.Generator().manual_seed(16))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g)]
+    o, _ = hla_fast.ahla(*leaves[:3], g=leaves[3], chunk_size=16, backend="triton")
+    got = torch.autograd.grad((o * do.to(device)).sum(), leaves)
+    o64, want = _grads64(q, k, v, g, do)
+    assert rel(o, o64) < TOL
+    for name, a, b in zip(["dq", "dk", "dv", "dg"], got, want):
+        assert rel(a, b) < (1e-4 if name == "dg" else TOL), name
+
+
+def test_config_rule_and_wide_segments_refused(device):
+    cfg = chunk.ahla_config(2, 4096, 4, 64, 64, torch.bfloat16, torch.device(device), 64)
+    assert cfg.fwd_chunk == 64 and cfg.save_states
+    assert (cfg.fwd_segments == cfg.bwd_segments == 1) == (device == "cpu")   # one segment off CUDA
+    wide = chunk.ahla_config(2, 4096, 4, 128, 128, torch.bfloat16, torch.device(device), 64)
+    assert wide.bwd_chunk == 32 and not wide.save_states and wide.fwd_warps == 8
+    widest = chunk.ahla_config(1, 4096, 1, 256, 64, torch.bfloat16, torch.device(device), 64)
+    assert widest.fwd_segments == widest.bwd_segments == 1 and widest.fwd_chunk == 32
+    assert hla_fast.ahla_config is chunk.ahla_config
+    q, k, v = rand_qkv(1, 20, 1, 130, 16, seed=17, device=device)
+    with pytest.raises(ValueError, match=r"keys wider than 128 \(K=130\) in one segment: config.fwd_segments"):
+        hla_fast.ahla(q, k, v, backend="triton", config=ChunkConfig(fwd_segments=2))
+
+
+# Shared memory of the per-chunk gradient kernel compiled for Hopper (sm_90), in a fresh interpreter
+# without TRITON_INTERPRET, the layout taken from the rule for a CUDA device of 132 multiprocessors.
+_GRAD_SHARED = r"""
+import json, sys
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile as triton_compile
+from triton.runtime.jit import JITFunction
+from hla_fast.ops.common import launch
+launch.sm_count = lambda device: 132
+from hla_fast.ops.ahla import chunk, chunk_kernels
+
+fn = chunk_kernels.ahla_bwd_grad_kernel
+while not isinstance(fn, JITFunction):
+    fn = fn.fn
+dev = torch.device("cuda")
+out = []
+for K, V, dtype, normalize in json.loads(sys.argv[1]):
+    dtype = getattr(torch, dtype)
+    cfg = chunk.ahla_config(1, 2049, 2, K, V, dtype, dev)
+    Vn = V + normalize
+    BK, BV = chunk.bwd_blocks(K, Vn, dev)
+    el = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
+    snap = "*bf16" if chunk._snapshot_dtype(cfg, dtype) == torch.bfloat16 else "*fp32"
+    types = dict(q=el, k=el, v=el, do=el, dq=el, dk=el, dv=el, g="*fp32", db="*fp32", cs_p=snap, cs_e=snap,
+                 dp_end="*fp32", de_end="*fp32", log_gamma="fp32", T="i32")
+    consts = dict(H=2, K=K, V=Vn, BT=cfg.bwd_chunk, BK=BK, BV=BV, HAS_DECAY=True, IS_BF16=launch.bf16_dots(dtype),
+                  PREC=chunk.grad_precision(dtype), HAS_G=True, HAS_DB=True,
+                  KEYS_PER_BLOCK=chunk.grad_keys_per_block(launch.cdiv(Vn, BV), BK, dtype))
+    sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
+    kernel = triton_compile(src, target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=cfg.bwd_warps, num_stages=1))
+    out.append(kernel.metadata.shared)
+print(json.dumps(out))
+"""
+
+# Hopper's shared memory a block may take (227 KB)
+HOPPER_SHARED = 232448
+
+
+def _hopper_compiler():
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _hopper_compiler(), reason="needs triton.compiler.ASTSource, GPUTarget and the CUDA backend")
+def test_grad_kernel_fits_hopper_shared_memory():
+    """The per-chunk gradient kernel, in the layouts the rule gives for shapes that once took more
+    shared memory than an H200 has (294 to 332 KB): fp32 with two value blocks, K = 256 in fp32
+    and bf16 normalized (65 value columns), fp16 (tf32 products of fp32 tiles took 368 KB and
+    more); and bf16 at K = V = 64 normalized, whose key tiles stay across the value blocks."""
+    cases = [(128, 128, "float32", False), (256, 64, "float32", True), (256, 64, "bfloat16", True),
+             (64, 64, "float16", False), (64, 64, "bfloat16", True)]
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _GRAD_SHARED, json.dumps(cases)], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    shared = json.loads(run.stdout.strip().splitlines()[-1])
+    for case, nbytes in zip(cases, shared):
+        assert nbytes <= HOPPER_SHARED, (case, nbytes)
+
+
+@pytest.mark.parametrize("segments", [2, 3, 5])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_segments_equal_one_walk(segments, normalize, device, poison):
+    """Segmented walks (summaries from zero states, folded in order) give the one walk's outputs,
+    snapshots, final state and gradients, with an initial state and final-state cotangents."""
+    B, T, H, K, V = 2, 77, 2, 12, 20
+    q, k, v, g = _inputs(device, B, T, H, K, V, seed=20, positive=normalize)
+    gen = torch.Generator().manual_seed(21)
+    st0 = [0.2 * torch.randn(B, H, K, V, generator=gen), 0.2 * torch.randn(B, H, K, V, generator=gen),
+           0.2 * torch.rand(B, H, K, generator=gen), 0.2 * torch.rand(B, H, K, generator=gen)]
+    st0 = [x.to(device) for x in st0]
+    kw = dict(chunk=16, warps=4, block_v=16, normalize=normalize, eps=1e-6, snapshots=torch.float32)
+    a = chunk.fwd_launch(q, k, v, g, None, *st0, segments=1, **kw)
+    b = chunk.fwd_launch(q, k, v, g, None, *st0, segments=segments, **kw)
+    for x, y in zip(a[:6] + a[6], b[:6] + b[6]):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert rel(y, x) < 1e-6
+    do = torch.randn(B, T, H, V, generator=gen).to(device)
+    dht = [torch.randn(B, H, K, V, generator=gen).to(device) for _ in range(2)]
+    one = chunk.bwd_launch(q, k, v, do, g, None, st0[0], st0[1], *dht, _cfg(), want_db=True)
+    seg = chunk.bwd_launch(q, k, v, do, g, None, st0[0], st0[1], *dht,
+                           _cfg().replace(fwd_segments=segments, bwd_segments=segments), want_db=True)
+    for x, y in zip(one, seg):
+        assert rel(y, x) < 1e-6
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("kind", ["none", "gamma", "g"])
+def test_decode_kernel_value_blocks(normalize, kind, device, poison):
+    """V = 40: two column blocks of 32 in the step kernel, against the torch step in float64."""
+    B, H, K, V = 2, 3, 20, 40
+    q, k, v = (x[:, 0] for x in rand_qkv(B, 1, H, K, V, seed=18, positive=normalize, device=device))
+    gen = torch.Generator().manual_seed(19)
+    st = AHLAState(0.2 * torch.randn(B, H, K, V, generator=gen), 0.2 * torch.randn(B, H, K, V, generator=gen),
+                   0.2 * torch.rand(B, H, K, generator=gen) if normalize else None,
+                   0.2 * torch.rand(B, H, K, generator=gen) if normalize else None)
+    st = AHLAState(*(None if x is None else x.to(device) for x in st))
+    g = -0.3 * torch.rand(B, H, generator=gen).to(device) if kind == "g" else None
+    gamma = 0.9 if kind == "gamma" else None
+    o, new = decode.ahla_step_triton(q, k, v, st, g, gamma, normalize, 1e-6)
+    st64 = AHLAState(*(None if x is None else x.double().cpu() for x in st))
+    o64, new64 = decode.ahla_step_torch(q.double().cpu(), k.double().cpu(), v.double().cpu(), st64,
+                                        None if g is None else g.double().cpu(), gamma, normalize, 1e-6)
+    assert rel(o, o64) < TOL
+    for a, b in zip(new, new64):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert rel(a, b) < TOL
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="every drawn shape is a fresh compile on a GPU")
+@settings(max_examples=12, deadline=None)
+@given(T=st.integers(1, 50), K=st.integers(1, 40), V=st.integers(1, 40), chunk_size=st.sampled_from([16, 32]),
+       fwd_seg=st.integers(1, 4), bwd_seg=st.integers(1, 3), kind=st.sampled_from(["none", "gamma", "g"]),
+       normalize=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_triton_path_is_the_index_sum(T, K, V, chunk_size, fwd_seg, bwd_seg, kind, normalize, seed):
+    """Random shapes, decays, chunks and segments: the output against the index sums and, without
+    normalization, dq against the float64 torch path. (Normalized, dq can be ill-conditioned: for
+    one token with K = 1 it is a difference of two terms of size 1/den that nearly cancel, beyond
+    what fp32 resolves; the contract suite checks normalized gradients on well-conditioned inputs.)"""
+    q, k, v = rand_qkv(1, T, 2, K, V, seed=seed, positive=normalize, device=DEVICE)
+    dk = {"gamma": 0.8} if kind == "gamma" else ({"g": rand_gates(1, T, 2, seed=seed, device=DEVICE)} if kind == "g" else {})
+    cfg = _cfg(chunk_size, chunk_size).replace(fwd_segments=fwd_seg, bwd_segments=bwd_seg)
+    qq = q.clone().requires_grad_()
+    o, _ = hla_fast.ahla(qq, k, v, normalize=normalize, backend="triton", config=cfg, **dk)
+    assert rel(o, brute_ahla(q, k, v, normalize=normalize, **dk)) < TOL
+    if normalize:
+        return
+    w = torch.randn(o.shape, generator=torch.Generator().manual_seed(seed))
+    (got,) = torch.autograd.grad((o * w.to(DEVICE)).sum(), qq)
+    q64 = q.double().cpu().requires_grad_()
+    dk64 = {n: (x.double().cpu() if torch.is_tensor(x) else x) for n, x in dk.items()}
+    o64, _ = hla_fast.ahla(q64, k.double().cpu(), v.double().cpu(), normalize=normalize, backend="torch", **dk64)
+    (want,) = torch.autograd.grad((o64 * w.double()).sum(), q64)
+    assert rel(got, want) < 1e-4
+
+
+# ----------------------------------------------------------------------- compiled kernels (GPU only)
+
+# relative error the precision explains: fp32 inputs take tf32x3 products (fp32-level error);
+# bf16 rounds every tensor-core operand to 8 bits of mantissa
+GPU_TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K,V", [(64, 64), (128, 128), (32, 100), (16, 16), (256, 64)])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_gpu_forward_backward(dtype, K, V, normalize, poison):
+    """Compiled kernels on a long sequence with gates and an initial state, forward and every
+    gradient, against the float64 torch path on the GPU."""
+    B, T, H = 1, 2049, 2
+    q, k, v = rand_qkv(B, T, H, K, V, seed=K + V, scale=0.15, positive=normalize, device="cuda", dtype=dtype)
+    g = rand_gates(B, T, H, seed=3, strength=0.01, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    st0 = AHLAState(0.1 * torch.randn(B, H, K, V, device="cuda", generator=gen),
+                    0.1 * torch.randn(B, H, K, V, device="cuda", generator=gen),
+                    0.1 * torch.rand(B, H, K, device="cuda", generator=gen) if normalize else None,
+                    0.1 * torch.rand(B, H, K, device="cuda", generator=gen) if normalize else None)
+    do = torch.randn(B, T, H, V, device="cuda", generator=gen)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g)]
+    parts = [None if x is None else x.clone().requires_grad_() for x in st0]
+    o, st = hla_fast.ahla(*leaves[:3], g=leaves[3], normalize=normalize, initial_state=AHLAState(*parts),
+                          output_final_state=True)
+    got = torch.autograd.grad((o.float() * do).sum(), leaves + [x for x in parts if x is not None])
+    leaves64 = [x.detach().double().requires_grad_() for x in (q, k, v, g)]
+    parts64 = [None if x is None else x.double().requires_grad_() for x in st0]
+    o64, st64 = hla_fast.ahla(*leaves64[:3], g=leaves64[3], normalize=normalize,
+                              initial_state=AHLAState(*parts64), output_final_state=True, backend="torch")
+    want = torch.autograd.grad((o64 * do.double()).sum(), leaves64 + [x for x in parts64 if x is not None])
+    assert o.dtype == dtype and rel(o, o64) < GPU_TOL[dtype]
+    for a, b in zip(st, st64):
+        if b is not None:
+            assert rel(a, b) < GPU_TOL[dtype]
+    for i, (a, b) in enumerate(zip(got, want)):
+        # dg (i = 3) is a reverse cumulative sum of differences of products: a few times looser
+        assert rel(a, b) < GPU_TOL[dtype] * (10 if i == 3 else 1), i
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("normalize", [False, True])
+def test_gpu_decode_continues_prefill(normalize, poison):
+    B, T, H, K, V = 2, 300, 4, 128, 128
+    q, k, v = rand_qkv(B, T, H, K, V, seed=5, scale=0.15, positive=normalize, device="cuda")
+    g = rand_gates(B, T, H, seed=6, strength=0.01, device="cuda")
+    want, _ = hla_fast.ahla(q.double(), k.double(), v.double(), g=g.double(), normalize=normalize, backend="torch")
+    o, st = hla_fast.ahla(q[:, :290], k[:, :290], v[:, :290], g=g[:, :290], normalize=normalize,
+                          output_final_state=True)
+    outs = [o]
+    for t in range(290, T):
+        y, st = hla_fast.ahla_step(q[:, t], k[:, t], v[:, t], st, g=g[:, t], normalize=normalize)
+        outs.append(y[:, None])
+    assert rel(torch.cat(outs, 1), want) < GPU_TOL[torch.float32]

@@ -1,0 +1,445 @@
+"""HLA3's own launchers (hla_fast/ops/hla3/chunk.py, decode.py) beyond the operator contract:
+gradients against autograd through the index sums, value blocks, forward and backward segments, kept or
+recomputed chunk states, chunk sizes, the structure claimed in chunk_kernels.py's docstring, the decode kernel's
+row and value blocks, head-size limits and the configuration rule. Under TRITON_INTERPRET=1 on a
+CPU, compiled on CUDA."""
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from .helpers import rand_gates, rand_qkv, rel, torch
+
+import hla_fast
+from hla_fast import ChunkConfig
+
+chunk = importlib.import_module("hla_fast.ops.hla3.chunk")
+
+# fp32 kernels against float64 (ieee products on the interpreter, tf32x3 on a GPU)
+TOL = 1e-5
+SMALL = ChunkConfig(fwd_chunk=16, bwd_chunk=16, fwd_block_v=16)
+
+
+def hla3_definition(q, k, v, g=None):
+    """o_t = sum_{i <= u, j <= u, u <= t} exp(3 b_t - b_i - b_u - b_j) (q_t.k_i)(k_i.q_u)(q_u.k_j) v_j,
+    straight from the sum over (t, i, u, j) (float64 in, [B, T, H, V] out; differentiable)."""
+    B, T, H, _ = q.shape
+    b = torch.zeros(B, T, H, dtype=q.dtype) if g is None else g.cumsum(1)
+    n = torch.arange(T)
+    t, i, u, j = n[:, None, None, None], n[None, :, None, None], n[None, None, :, None], n[None, None, None, :]
+    keep = ((i <= u) & (j <= u) & (u <= t))[None, ..., None]                           # [1, t, i, u, j, 1]
+    expo = (3 * b[:, :, None, None, None] - b[:, None, :, None, None] - b[:, None, None, :, None]
+            - b[:, None, None, None, :])                                                # [B, t, i, u, j, H]
+    w = torch.where(keep, torch.exp(torch.where(keep, expo, 0.0)), 0.0)
+    x = torch.einsum("bthd,bihd->btih", q, k)                                           # q_t . k_i
+    return torch.einsum("btiujh,btih,buih,bujh,bjhv->bthv", w, x, x, x, v)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("init", [False, True])
+def test_gradients_against_the_index_sums(gated, init, device, poison):
+    """dq, dk, dv, dg (and the initial state's through the state's definition) from the kernels
+    against autograd through the four-index sum, several chunks and value blocks."""
+    B, T, H, K, V = 1, 19, 2, 8, 24
+    q, k, v = rand_qkv(B, T, H, K, V, seed=1, device=device)
+    g = rand_gates(B, T, H, seed=2, device=device) if gated else None
+    leaves = [x.detach().double().cpu().requires_grad_() for x in (q, k, v)]
+    g64 = None if g is None else g.detach().double().cpu().requires_grad_()
+    want = hla3_definition(*leaves, g=g64)
+    st = None
+    if init:  # a prefix of 6 tokens as the initial state: the definition covers it
+        p = 6
+        _, st = hla_fast.hla3(q[:, :p], k[:, :p], v[:, :p], g=None if g is None else g[:, :p],
+                                  output_final_state=True, backend="torch")
+        want = want[:, p:]
+        q, k, v = q[:, p:], k[:, p:], v[:, p:]
+        g = None if g is None else g[:, p:]
+    do = torch.randn(want.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    wanted = [x for x in leaves + [g64] if x is not None]
+    grads = torch.autograd.grad((want * do).sum(), wanted)
+    ins = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    gi = None if g is None else g.detach().clone().requires_grad_()
+    st_in = None if st is None else type(st)(*(None if x is None else x.detach().clone().requires_grad_() for x in st))
+    o, _ = hla_fast.hla3(*ins, g=gi, initial_state=st_in, chunk_size=16, backend="triton", config=SMALL)
+    assert rel(o, want) < TOL
+    torch.autograd.backward(o, do.float().to(device))
+    if init:
+        # chain the prefix: the gradient of the definition w.r.t. the first 6 tokens goes through the state
+        pre = [x[:, :6].detach().double().cpu().requires_grad_() for x in leaves]
+        gp = None if g64 is None else g64.detach()[:, :6].clone().requires_grad_()
+        _, st64 = hla_fast.hla3(*pre, g=gp, output_final_state=True, backend="torch")
+        dst = [x.grad.double().cpu() for x in st_in[:3]]
+        chained = torch.autograd.grad(sum((a * b).sum() for a, b in zip(st64[:3], dst)),
+                                      pre + ([gp] if gp is not None else []))
+        assert rel(torch.cat([chained[0], ins[0].grad.double().cpu()], 1), grads[0]) < TOL
+        assert rel(torch.cat([chained[1], ins[1].grad.double().cpu()], 1), grads[1]) < TOL
+        assert rel(torch.cat([chained[2], ins[2].grad.double().cpu()], 1), grads[2]) < TOL
+        if gated:
+            # db_t is the reverse cumsum: the prefix's gates see the suffix's whole gate gradient
+            assert rel(torch.cat([chained[3], gi.grad.double().cpu()], 1), grads[3]) < 1e-4
+    else:
+        got = [ins[0].grad, ins[1].grad, ins[2].grad, None if gi is None else gi.grad]
+        for name, a, b in zip(["dq", "dk", "dv", "dg"], got, grads):
+            # dg: a reverse cumulative sum of differences of fp32 products
+            assert rel(a, b) < (1e-4 if name == "dg" else TOL), name
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_value_blocks_sum_to_the_whole(normalize, device, poison):
+    """V = 40 over value blocks of 16 (three programs a head, the last one partial): the partial
+    dq, dk, dS0 and db of the blocks sum to the gradients of one wide block."""
+    B, T, H, K, V = 1, 33, 2, 16, 40
+    q, k, v = rand_qkv(B, T, H, K, V, seed=4, positive=normalize, device=device)
+    g = rand_gates(B, T, H, seed=5, device=device)
+    gen = torch.Generator().manual_seed(6)
+    st0 = hla_fast.HLA3State(*(0.1 * torch.rand(s, generator=gen).to(device) for s in
+                               [(B, H, K, K), (B, H, K, V), (B, H, K, V)]),
+                             *((0.1 * torch.rand(B, H, K, generator=gen).to(device),) * 2 if normalize else (None, None)))
+
+    def run(cfg):
+        ins = [x.detach().clone().requires_grad_() for x in (q, k, v, g)]
+        st = type(st0)(*(None if x is None else x.detach().clone().requires_grad_() for x in st0))
+        o, fin = hla_fast.hla3(*ins[:3], g=ins[3], normalize=normalize, initial_state=st, output_final_state=True,
+                               chunk_size=16, backend="triton", config=cfg)
+        loss = (o * torch.cos(o)).sum() + (fin.F * fin.P).sum()
+        loss.backward()
+        return [o] + [x.grad for x in ins] + [x.grad for x in st if x is not None]
+
+    narrow, wide = run(SMALL), run(SMALL.replace(fwd_block_v=64))
+    for a, b in zip(narrow, wide):
+        assert rel(a, b) < TOL
+
+
+@pytest.mark.parametrize("save", [True, False])
+def test_kept_states_equal_recomputed(save, monkeypatch, device, poison):
+    """The forward keeps its chunk-start states (save_states) or the backward recomputes them
+    (also when the passes use different chunks): the same gradients; the recompute runs only when
+    nothing was kept."""
+    q, k, v = rand_qkv(1, 45, 2, 16, 24, seed=7, device=device)
+    g = rand_gates(1, 45, 2, seed=8, device=device)
+    calls = []
+    fwd = chunk.hla3_fwd
+    monkeypatch.setattr(chunk, "hla3_fwd", lambda *a, **kw: calls.append(kw.get("outputs", True)) or fwd(*a, **kw))
+
+    def grads(cfg):
+        ins = [x.detach().clone().requires_grad_() for x in (q, k, v, g)]
+        o, _ = hla_fast.hla3(*ins[:3], g=ins[3], backend="triton", config=cfg)
+        o.square().sum().backward()
+        return [x.grad for x in ins]
+
+    cfg = SMALL.replace(save_states=save)
+    a = grads(cfg)
+    assert calls == ([True] if save else [True, False])
+    calls.clear()
+    b = grads(SMALL.replace(fwd_chunk=32))  # a different backward chunk: always recomputed
+    assert calls == [True, False]
+    for x, y in zip(a, b):
+        assert rel(x, y) < TOL
+
+
+@pytest.mark.parametrize("segments", [2, 3])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_segmented_forward_equals_one_walk(segments, normalize, device, poison):
+    """Segments (summaries from a zero state, folded into each segment's start state) give the
+    outputs, final state, chunk snapshots and gradients of one walk, from an initial state, with
+    gates and several value blocks."""
+    B, T, H, K, V = 2, 45, 2, 16, 24
+    q, k, v = rand_qkv(B, T, H, K, V, seed=18, positive=normalize, device=device)
+    g = rand_gates(B, T, H, seed=19, device=device)
+    gen = torch.Generator().manual_seed(20)
+    shapes = [(B, H, K, K), (B, H, K, V), (B, H, K, V)] + ([(B, H, K)] * 2 if normalize else [])
+    st0 = hla_fast.HLA3State(*(0.1 * torch.rand(s, generator=gen).to(device) for s in shapes))
+
+    def run(cfg):
+        ins = [x.detach().clone().requires_grad_() for x in (q, k, v, g)]
+        st = type(st0)(*(None if x is None else x.detach().clone().requires_grad_() for x in st0))
+        o, fin = hla_fast.hla3(*ins[:3], g=ins[3], normalize=normalize, initial_state=st, output_final_state=True,
+                               backend="triton", config=cfg)
+        ((o * torch.sin(o)).sum() + (fin.F * fin.S[..., :1]).sum()).backward()
+        return [o, *[x for x in fin if x is not None]] + [x.grad for x in ins] + [x.grad for x in st if x is not None]
+
+    one = run(SMALL.replace(save_states=False))
+    # the backward's recompute and its walk are segmented too
+    many = run(SMALL.replace(fwd_segments=segments, bwd_segments=segments, save_states=False))
+    for a, b in zip(one, many):
+        assert rel(b, a) < TOL
+    snaps = [chunk.hla3_fwd(q, k, v, g, None, st0.S, st0.P, st0.F, chunk=16, warps=4, block_v=16, segments=n,
+                            outputs=False, store_final=False, snapshots=True)[4] for n in (1, segments)]
+    for a, b in zip(*snaps):
+        assert rel(b, a) < 1e-6
+
+
+@pytest.mark.parametrize("segments", [2, 3])
+@pytest.mark.parametrize("final_grads", ["all", "F only", "none"])
+def test_segmented_backward_equals_one_walk(segments, final_grads, device, poison):
+    """The backward walk in segments (summaries from a zero end gradient, folded last to first)
+    gives the gradients of one walk: inputs, gates (db), initial state, with cotangents on the
+    final state or not, two value blocks."""
+    B, T, H, K, V = 2, 45, 2, 16, 24
+    q, k, v = rand_qkv(B, T, H, K, V, seed=21, device=device)
+    g = rand_gates(B, T, H, seed=22, device=device)
+    gen = torch.Generator().manual_seed(23)
+    s0, p0, f0 = (0.1 * torch.randn(s, generator=gen).to(device) for s in [(B, H, K, K), (B, H, K, V), (B, H, K, V)])
+    do = torch.randn(B, T, H, V, generator=gen).to(device)
+    dsT, dpT, dfT = (torch.randn(s, generator=gen).to(device) for s in [(B, H, K, K), (B, H, K, V), (B, H, K, V)])
+    if final_grads == "F only":
+        dsT = dpT = None
+    elif final_grads == "none":
+        dsT = dpT = dfT = None
+    runs = [chunk.hla3_bwd(q, k, v, do, g, None, s0, p0, f0, dsT, dpT, dfT, SMALL.replace(bwd_segments=n), want_db=True)
+            for n in (1, segments)]
+    for name, a, b in zip(["dq", "dk", "dv", "dS0", "dP0", "dF0", "db"], *runs):
+        assert rel(b, a) < TOL, name
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_wide_key_folds_equal_the_one_program_folds(normalize, monkeypatch, device, poison):
+    """Keys wider than FOLD_TILE fold the forward's F by row and column blocks after S and P, and
+    the backward's dS apart from dP and dF: the same outputs, final state and gradients as the
+    folds of one program (here FOLD_TILE = 16 < K = 40: three row blocks, the last partial)."""
+    B, T, H, K, V = 1, 45, 2, 40, 24
+    q, k, v = rand_qkv(B, T, H, K, V, seed=24, positive=normalize, device=device)
+    g = rand_gates(B, T, H, seed=25, device=device)
+    gen = torch.Generator().manual_seed(26)
+    shapes = [(B, H, K, K), (B, H, K, V), (B, H, K, V)] + ([(B, H, K)] * 2 if normalize else [])
+    st0 = hla_fast.HLA3State(*(0.1 * torch.rand(s, generator=gen).to(device) for s in shapes))
+    cfg = SMALL.replace(fwd_segments=3, bwd_segments=3)
+
+    def run():
+        ins = [x.detach().clone().requires_grad_() for x in (q, k, v, g)]
+        st = type(st0)(*(None if x is None else x.detach().clone().requires_grad_() for x in st0))
+        o, fin = hla_fast.hla3(*ins[:3], g=ins[3], normalize=normalize, initial_state=st, output_final_state=True,
+                               backend="triton", config=cfg)
+        ((o * torch.sin(o)).sum() + (fin.F * fin.S[..., :1]).sum() + fin.P.sum()).backward()
+        return [o, *[x for x in fin if x is not None]] + [x.grad for x in ins] + [x.grad for x in st if x is not None]
+
+    whole = run()
+    monkeypatch.setattr(chunk, "FOLD_TILE", 16)
+    for a, b in zip(whole, run()):
+        assert rel(b, a) < TOL
+
+
+def test_chunk_size_does_not_change_the_result(device, poison):
+    q, k, v = rand_qkv(2, 70, 2, 12, 20, seed=9, device=device)
+    g = rand_gates(2, 70, 2, seed=10, device=device)
+    outs = [hla_fast.hla3(q, k, v, g=g, chunk_size=c, backend="triton", output_final_state=True) for c in (16, 32, 64, 128)]
+    for o, st in outs[1:]:
+        assert rel(o, outs[0][0]) < TOL
+        for a, b in zip(st, outs[0][1]):
+            if b is not None:
+                assert rel(a, b) < TOL
+
+
+def test_at_gamma_one_it_is_hla2_on_first_order_values(device):
+    """The structure of chunk_kernels.py's docstring: without decay, hla3(Q, K, V) = hla2(Q, K, R)
+    with R_u = sum_{j <= u} (q_u . k_j) v_j."""
+    q, k, v = rand_qkv(1, 29, 2, 8, 6, seed=11, dtype=torch.float64)
+    x = torch.einsum("buhd,bjhd->bhuj", q, k).tril()
+    r = torch.einsum("bhuj,bjhv->buhv", x, v)
+    o3, _ = hla_fast.hla3(q, k, v, backend="torch")
+    o2, _ = hla_fast.hla2(q, k, r, backend="torch")
+    assert rel(o3, o2) < 1e-12
+
+
+def test_bf16_inputs(device, poison):
+    """bf16 in, bf16 out: against float64 on the same (rounded) inputs the error is the output's
+    rounding (2^-9 relative) plus the products' (bf16 operands on a GPU, fp32 on the interpreter)."""
+    q, k, v = rand_qkv(1, 40, 2, 16, 16, seed=12, dtype=torch.bfloat16, device=device)
+    g = rand_gates(1, 40, 2, seed=13, device=device)
+    o, st = hla_fast.hla3(q, k, v, g=g, chunk_size=16, backend="triton", output_final_state=True)
+    assert o.dtype == torch.bfloat16 and st.F.dtype == torch.float32
+    o64, st64 = hla_fast.hla3(q.double().cpu(), k.double().cpu(), v.double().cpu(), g=g.double().cpu(),
+                              backend="torch", output_final_state=True)
+    tol = 4e-3 if device == "cpu" else 2e-2
+    assert rel(o, o64) < tol
+    assert rel(st.F, st64.F) < tol
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("kind", ["gamma", "g"])
+def test_decode_kernel_row_and_value_blocks(normalize, kind, device, poison):
+    """K = 40 (two row blocks of 32, the second partial) and V = 200 (two value blocks of 128):
+    the Triton step equals the torch step in float64."""
+    B, H, K, V = 2, 3, 40, 200
+    q, k, v = (x[:, 0] for x in rand_qkv(B, 1, H, K, V, seed=14, positive=True, device=device))
+    gen = torch.Generator().manual_seed(15)
+    parts = [0.2 * torch.rand(s, generator=gen) for s in [(B, H, K, K), (B, H, K, V), (B, H, K, V)]]
+    parts += [0.2 * torch.rand(B, H, K, generator=gen) for _ in range(2)] if normalize else [None, None]
+    st = hla_fast.HLA3State(*(None if x is None else x.to(device) for x in parts))
+    kw = {"gamma": 0.9} if kind == "gamma" else {"g": rand_gates(B, 1, H, seed=16, device=device)[:, 0]}
+    o, new = hla_fast.hla3_step(q, k, v, st, normalize=normalize, backend="triton", **kw)
+    kw64 = {n: (x.double().cpu() if torch.is_tensor(x) else x) for n, x in kw.items()}
+    st64 = hla_fast.HLA3State(*(None if x is None else x.double().cpu() for x in st))
+    o64, new64 = hla_fast.hla3_step(q.double().cpu(), k.double().cpu(), v.double().cpu(), st64,
+                                    normalize=normalize, backend="torch", **kw64)
+    assert rel(o, o64) < TOL
+    for a, b in zip(new, new64):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert rel(a, b) < TOL
+
+
+def test_wide_keys_are_refused_on_triton_only(device):
+    q, k, v = rand_qkv(1, 4, 1, 130, 8, seed=17, device=device)
+    with pytest.raises(ValueError, match="K <= 128, got K=130"):
+        hla_fast.hla3(q, k, v, backend="triton")
+    with pytest.raises(ValueError, match="K <= 128, got K=130"):
+        hla_fast.hla3_step(q[:, 0], k[:, 0], v[:, 0], backend="triton")
+    o, _ = hla_fast.hla3(q.cpu(), k.cpu(), v.cpu(), backend="torch")
+    assert o.shape == v.shape and torch.isfinite(o).all()
+
+
+def test_config_rule():
+    cpu = torch.device("cpu")
+    c = hla_fast.hla3_config(4, 32768, 16, 64, 64, torch.bfloat16, cpu)
+    assert (c.fwd_chunk, c.bwd_chunk, c.fwd_block_v, c.fwd_warps, c.save_states) == (64, 64, 64, 4, True)
+    c = hla_fast.hla3_config(4, 32768, 16, 128, 128, torch.bfloat16, cpu)
+    assert (c.fwd_chunk, c.bwd_chunk, c.fwd_block_v, c.fwd_warps, c.save_states) == (32, 32, 64, 8, True)
+    c = hla_fast.hla3_config(1, 100, 1, 16, 20, torch.float32, cpu, chunk_size=16)
+    assert (c.fwd_chunk, c.bwd_chunk, c.fwd_block_v) == (16, 16, 32)
+    with pytest.raises(TypeError, match="config must be a ChunkConfig"):
+        hla_fast.hla3(*rand_qkv(1, 4, 1, 8, 8), backend="torch", config={"fwd_chunk": 16})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_long_sequences_on_the_gpu(dtype, D):
+    """The compiled kernels at a realistic size with the default configuration (forward segments
+    chosen by occupancy): outputs, final state and gradients against the float64 torch path on the
+    same rounded inputs. fp32: tf32x3 products (fp32's level) summed over thousands of tokens;
+    bf16: bf16 operands in every product."""
+    B, T, H = 2, 4099, 4
+    gen = torch.Generator().manual_seed(31)
+    q, k = (torch.nn.functional.normalize(torch.randn(B, T, H, D, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(B, T, H, D, generator=gen)
+    g = -0.01 * torch.rand(B, T, H, generator=gen)
+    q, k, v = (x.to("cuda", dtype) for x in (q, k, v))
+    g = g.cuda()
+    cfg = hla_fast.hla3_config(B, T, H, D, D, dtype, q.device)
+    assert cfg.fwd_segments > 1 and cfg.bwd_segments > 1
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g)]
+    o, st = hla_fast.hla3(*leaves[:3], g=leaves[3], output_final_state=True)
+    do = torch.randn(o.shape, generator=gen).to("cuda", dtype)
+    o.backward(do)
+    leaves64 = [x.detach().double().requires_grad_() for x in (q, k, v, g)]
+    o64, st64 = hla_fast.hla3(*leaves64[:3], g=leaves64[3], output_final_state=True, backend="torch")
+    o64.backward(do.double())
+    assert rel(o, o64) < tol
+    for a, b in zip(st, st64):
+        if b is not None:
+            assert rel(a, b) < tol
+    for name, a, b in zip(["dq", "dk", "dv", "dg"], leaves, leaves64):
+        assert rel(a.grad, b.grad) < (10 * tol if name == "dg" else tol), name
+
+
+# The launches of one forward and backward with the rule's CUDA configuration (an H200's 132
+# multiprocessors), recorded on CPU tensors without running anything, then the kernels they name
+# compiled for Hopper (sm_90) with those arguments: in a fresh interpreter without TRITON_INTERPRET.
+_SHARED = r"""
+import json, sys
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hla_fast.ops.common import launch
+cuda = torch.device("cuda")
+launch.sm_count = lambda device: 132
+launch.interpreter_on = lambda: False
+from hla_fast.ops.hla3 import chunk
+chunk.min_key_block = lambda device: launch.min_key_block(cuda)
+chunk.min_value_block = lambda device: launch.min_value_block(cuda)
+log = []
+
+
+class Recorder:
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        return lambda **kw: log.append((self.kernel, kw))
+
+
+for name in dir(chunk):
+    if name.startswith("hla3_") and name.endswith("_kernel"):
+        setattr(chunk, name, Recorder(getattr(chunk, name)))
+TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
+
+
+def shared_bytes(kernel, kw):
+    args = dict(kw)
+    options = dict(num_warps=args.pop("num_warps", 4), num_stages=args.pop("num_stages", 3))
+    for name, rule in kernel.values.items():
+        args[name] = rule(args)
+    fn = kernel.fn
+    sig, consts = {}, {}
+    for i, p in enumerate(fn.params):
+        x = args.get(p.name, p.default)
+        if p.is_constexpr or x is None:
+            sig[p.name] = "constexpr"
+            consts[(i,)] = x
+        elif torch.is_tensor(x):
+            sig[p.name] = TYPES[x.dtype]
+        else:
+            sig[p.name] = "fp32" if isinstance(x, float) else "i32"
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared
+
+
+out = []
+for B, T, H, K, V, dtype, kernels in json.loads(sys.argv[1]):
+    dtype = getattr(torch, dtype)
+    cfg = chunk.hla3_config.__wrapped__(B, T, H, K, V, dtype, cuda)
+    assert cfg.fwd_segments > 1 and cfg.bwd_segments > 1
+    q, k, v = (torch.zeros(B, T, H, n, dtype=dtype) for n in (K, K, V))
+    g = torch.zeros(B, T, H)
+    s0, p0, f0 = (torch.zeros(s) for s in [(B, H, K, K), (B, H, K, V), (B, H, K, V)])
+    del log[:]
+    cs = chunk.hla3_fwd(q, k, v, g, None, s0, p0, f0, chunk=cfg.fwd_chunk, warps=cfg.fwd_warps,
+                        block_v=cfg.fwd_block_v, segments=cfg.fwd_segments, snapshots=cfg.save_states)[4]
+    chunk.hla3_bwd(q, k, v, torch.zeros_like(v), g, None, s0, p0, f0, s0, p0, f0, cfg, states=cs, want_db=True)
+    seen = set()
+    for kernel, kw in log:
+        name = kernel.fn.__name__
+        key = (name, tuple(sorted((n, str(getattr(x, "dtype", x))) for n, x in kw.items())))
+        if name in kernels and key not in seen:
+            seen.add(key)
+            out.append([name, shared_bytes(kernel, kw)])
+print(json.dumps(out))
+"""
+
+# Hopper's shared memory a block may take (227 KB)
+HOPPER_SHARED = 232448
+
+
+def _hopper_compiler():
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _hopper_compiler(), reason="needs triton.compiler.ASTSource, GPUTarget and the CUDA backend")
+def test_rule_kernels_fit_hopper_shared_memory():
+    """The kernels the rule launches for test_long_sequences_on_the_gpu's shapes that once took
+    more shared memory than an H200 has: the fp32 gradient program at K = V = 64 on chunks of 64
+    (288 KB), the forward fold of the segments at K = V = 128 with both [K, K] moments and S whole
+    (512 KB in bf16, 576 KB in fp32); and the backward fold there (384 KB pipelined)."""
+    folds = ["hla3_fwd_fold_kernel", "hla3_fwd_fold_f_kernel", "hla3_bwd_fold_kernel"]
+    cases = [(2, 4099, 4, 64, 64, "float32", ["hla3_bwd_grad_kernel"]),
+             (2, 4099, 4, 128, 128, "bfloat16", folds), (2, 4099, 4, 128, 128, "float32", folds)]
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _SHARED, json.dumps(cases)], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    shared = json.loads(run.stdout.strip().splitlines()[-1])
+    assert {name for name, _ in shared} == {"hla3_bwd_grad_kernel", *folds}
+    for name, nbytes in shared:
+        assert nbytes <= HOPPER_SHARED, (name, nbytes)
