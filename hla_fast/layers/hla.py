@@ -1,0 +1,250 @@
+"""HigherOrderLinearAttention: a token mixer built on the HLA operators.
+
+The layer follows flash-linear-attention's layer conventions: projections ``q_proj``, ``k_proj``,
+``v_proj`` (and ``g_proj`` for data-dependent gates) from the hidden states [B, T, D] to heads
+[B, T, H, K] / [B, T, H, V], the operator, a per-head output norm, ``o_proj`` back to [B, T, D], and
+``forward(hidden_states, past_key_values=None, use_cache=False) -> (o, None, past_key_values)``.
+
+What the projections feed. For second order (``order="hla2"``, the masked HLA2 of
+``hla_fast.hla2``), with b_t the running sum of log-gates:
+
+    o_t = sum_{i <= j <= t} exp(2 b_t - b_i - b_j) (q_t . k_i)(q_j . k_i) v_j
+
+i.e. the query is matched against the keys through the key second moment S_t = sum k_i k_i^T, and
+the values are weighted by a second query-key product, so the state is a K x K matrix S plus a
+K x V matrix W per head (``HLA2State``) instead of first-order linear attention's single K x V
+matrix. ``order="ahla"`` (asymmetric, states P, E of K x V) and ``order="hla3"`` (third order,
+states S, P, F) are the other operators of ``hla_fast``; each has the same call signature.
+
+Where the state lives. A full-sequence call (training, prefill) runs the chunked operator; with
+``use_cache=True`` its final state is stored in an :class:`~hla_fast.layers.HLACache` under the
+layer's ``layer_idx``. A call of one token with a cached state runs the decode step
+``hla_fast.<order>_step``, O(K^2 + K V) per head and token, which reads the state and stores the
+next one. Any mix of chunk calls (with ``initial_state``) and steps gives the outputs of one call
+over all tokens.
+
+Grouped key/value heads (``num_kv_heads < num_heads``). Keys and values are projected to
+``num_kv_heads`` heads and shared by the ``num_heads // num_kv_heads`` query heads of a group, so the
+key second moment S^K_t = sum k_i k_i^T (which depends only on the keys) is the same for every
+head of a group, as long as the group's heads decay alike (no decay; per-head or per-token gates
+decay each head's S at its own rate). The operators take one key per query head, so the shared keys
+and values are repeated over the group: the group's heads compute their S parts separately (the
+layer's parameters and projection cost shrink; the state memory does not).
+
+Decay (``gate``): "none"; "fixed", one constant factor gamma_h per head (log-gates log(gamma_h) on
+every token), spaced so that 1 - gamma_h runs geometrically from 2^-5 to 2^-10 over the heads
+(memories of roughly 32 to 1024 tokens); "data", per-token gates
+g = logsigmoid(g_proj(x)) / gate_logit_normalizer of shape [B, T, H] (flash-linear-attention's gated
+linear attention convention), so the model chooses per token how much to forget.
+
+Keeping the states in range. Without decay the HLA2 output is a sum over O(t^2) index pairs, so
+its size grows with the position t; the states are fp32 (even for bf16 inputs), so overflow is far,
+but the output's scale drifts with t, which the next layer sees. The layer offers: ``qk_norm="l2"``
+(unit-norm q and k per head: every q . k in [-1, 1]; otherwise q and k are each scaled by K^-1/4 so
+q . k carries softmax attention's 1/sqrt(K)), ``output_norm=True`` (an RMS norm over each head's
+V outputs, with a learned scale, as flash-linear-attention's layers do), and ``normalize=True``
+(the operator's own denominator, a signed sum that can cross zero). The defaults, l2 q/k norm and
+the output norm with ``normalize=False``, were chosen by measurement: ``python benchmarks/mqar.py
+--state-range`` (output RMS against position over 4096 tokens, the largest state entry, and the MQAR
+smoke accuracy for each combination; recorded in benchmarks/results/mqar_state_range_cpu.json and
+discussed in hla_fast/README.md, "The layer").
+
+Backends. ``backend=None`` lets the operator choose (Triton kernels for CUDA tensors, the torch
+chunk form otherwise). Under ``torch.compile`` the layer calls the operators through their
+``torch.library`` custom ops (``hla_fast.ops.library``), which the compiler treats as single nodes
+with known output shapes; in eager mode it calls them directly.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..ops import library
+from .cache import HLACache
+
+GATES = ("none", "fixed", "data")
+QK_NORMS = ("l2", None)
+
+
+def _rms_norm(x, weight, eps):
+    """RMS norm over the last dim in fp32, returned in x's dtype. x: [..., V]; weight: [V]."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return y.to(x.dtype)
+
+
+def fixed_log_decays(num_heads: int) -> torch.Tensor:
+    """log(gamma_h) [H] with 1 - gamma_h = 2^-(5 + 5 h / (H - 1)): geometric from 2^-5 to 2^-10
+    (2^-5 for a single head)."""
+    if num_heads > 1:
+        e = torch.linspace(5.0, 10.0, num_heads, dtype=torch.float64)
+    else:
+        e = torch.tensor([5.0], dtype=torch.float64)
+    return torch.log1p(-torch.pow(2.0, -e)).float()
+
+
+def _positive_int(x, name):
+    if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {x!r}")
+    return x
+
+
+class HigherOrderLinearAttention(nn.Module):
+    """Higher-order linear attention token mixer (see the module docstring).
+
+    Args:
+        hidden_size: D, width of the hidden states.
+        num_heads: H, query heads.
+        head_dim: K = V, width of one head (default hidden_size // num_heads).
+        num_kv_heads: key/value heads (default num_heads); must divide num_heads.
+        order: "hla2", "ahla" or "hla3".
+        gate: "none", "fixed" (per-head constant decay) or "data" (per-token gates from g_proj).
+        normalize: use the operator's denominator (bool).
+        qk_norm: "l2" (unit-norm q, k per head) or None (q, k scaled by K^-1/4 each).
+        output_norm: RMS norm over each head's outputs before o_proj.
+        gate_logit_normalizer: divisor of logsigmoid(g_proj(x)) for gate="data".
+        gate_bias_init: initial bias of g_proj: 3.0 starts every token's factor near
+            exp(logsigmoid(3) / 16) = 0.997 (a memory of some hundreds of tokens), so a model
+            starts out remembering and learns where to forget.
+        chunk_size: chunk rows of the chunked operator.
+        eps: the operator's eps (normalize=True); norm_eps: the output norm's eps.
+        layer_idx: this layer's slot in an HLACache (needed with a cache).
+        backend: None (by device), "triton" or "torch".
+    """
+
+    def __init__(self, hidden_size: int = 1024, num_heads: int = 8, head_dim: int | None = None,
+                 num_kv_heads: int | None = None, order: str = "hla2", gate: str = "none",
+                 normalize: bool = False, qk_norm: str | None = "l2", output_norm: bool = True,
+                 gate_logit_normalizer: float = 16.0, gate_bias_init: float = 3.0, chunk_size: int = 64,
+                 eps: float = 1e-6, norm_eps: float = 1e-5, layer_idx: int | None = None,
+                 backend: str | None = None):
+        super().__init__()
+        _positive_int(hidden_size, "hidden_size")
+        _positive_int(num_heads, "num_heads")
+        if head_dim is None:
+            if hidden_size % num_heads:
+                raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}: pass head_dim")
+            head_dim = hidden_size // num_heads
+        _positive_int(head_dim, "head_dim")
+        num_kv_heads = num_heads if num_kv_heads is None else _positive_int(num_kv_heads, "num_kv_heads")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads {num_kv_heads} must divide num_heads {num_heads}")
+        library.check_order(order)
+        if gate not in GATES:
+            raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+        if not isinstance(normalize, bool):
+            raise TypeError(f"normalize must be True or False, got {normalize!r}")
+        if qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm must be 'l2' or None, got {qk_norm!r}")
+        if not isinstance(output_norm, bool):
+            raise TypeError(f"output_norm must be True or False, got {output_norm!r}")
+        if not (isinstance(gate_logit_normalizer, (int, float)) and gate_logit_normalizer > 0):
+            raise ValueError(f"gate_logit_normalizer must be a number > 0, got {gate_logit_normalizer!r}")
+        if layer_idx is not None and (isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0):
+            raise ValueError(f"layer_idx must be None or an int >= 0, got {layer_idx!r}")
+        if backend not in (None, "triton", "torch"):
+            raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
+        library.resolve(order)  # a clear error now if the operator is not installed
+
+        self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
+        self.num_kv_heads, self.num_kv_groups = num_kv_heads, num_heads // num_kv_heads
+        self.order, self.gate, self.normalize = order, gate, normalize
+        self.qk_norm, self.output_norm = qk_norm, output_norm
+        self.gate_logit_normalizer = float(gate_logit_normalizer)
+        self.chunk_size, self.eps, self.norm_eps = chunk_size, float(eps), float(norm_eps)
+        self.layer_idx, self.backend = layer_idx, backend
+
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.g_proj = nn.Linear(hidden_size, num_heads, bias=True) if gate == "data" else None
+        if self.g_proj is not None:
+            nn.init.constant_(self.g_proj.bias, float(gate_bias_init))
+        if gate == "fixed":
+            self.register_buffer("log_decay", fixed_log_decays(num_heads), persistent=False)
+        else:
+            self.log_decay = None
+        self.o_norm_weight = nn.Parameter(torch.ones(head_dim)) if output_norm else None
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+
+    def extra_repr(self) -> str:
+        return (f"order={self.order!r}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, gate={self.gate!r}, qk_norm={self.qk_norm!r}, "
+                f"output_norm={self.output_norm}, normalize={self.normalize}")
+
+    def _heads(self, x):
+        """q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] or None from hidden states [B, T, D]."""
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        q = self.q_proj(x).view(B, T, H, K)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, K)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, K)
+        if self.qk_norm == "l2":
+            # under CUDA autocast the norm is computed in fp32, which would promote q and k: keep
+            # the projections' dtype, which v has too (the operators take one dtype for q, k, v)
+            q, k = F.normalize(q, dim=-1).to(v.dtype), F.normalize(k, dim=-1).to(v.dtype)
+        else:
+            s = K ** -0.25
+            q, k = q * s, k * s
+        if self.num_kv_groups > 1:  # every query head of a group reads its group's keys and values
+            k = k.repeat_interleave(self.num_kv_groups, dim=2)
+            v = v.repeat_interleave(self.num_kv_groups, dim=2)
+        g = None
+        if self.gate == "data":
+            g = F.logsigmoid(self.g_proj(x).float()) / self.gate_logit_normalizer
+        elif self.gate == "fixed":
+            g = self.log_decay.to(x.device)[None, None, :].expand(B, T, H)
+        return q, k, v, g
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, past_key_values: HLACache | None = None,
+                use_cache: bool = False, **kwargs):
+        """hidden_states [B, T, D] -> (o [B, T, D], None, past_key_values).
+
+        ``past_key_values``: an HLACache or None. With a cache holding this layer's state, the call
+        continues from it; with ``use_cache=True`` the state after the call is stored (an empty cache
+        is created when none is passed). ``attention_mask`` must be None (padding is not supported:
+        a padded token would enter the state). Other keyword arguments are refused."""
+        if kwargs:
+            raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
+        x = hidden_states
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.hidden_size:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"hidden_states must have shape [B, T, {self.hidden_size}], got {got}")
+        if attention_mask is not None:
+            raise ValueError("attention_mask is not supported by HigherOrderLinearAttention: pass None "
+                             "(sequences without padding)")
+        if not isinstance(use_cache, bool):
+            raise TypeError(f"use_cache must be True or False, got {use_cache!r}")
+        if past_key_values is not None and not isinstance(past_key_values, HLACache):
+            raise TypeError(f"past_key_values must be an HLACache or None, got {type(past_key_values).__name__}")
+        if use_cache and past_key_values is None:
+            past_key_values = HLACache()
+        if past_key_values is not None and self.layer_idx is None:
+            raise ValueError("a cache needs the layer's slot: construct the layer with layer_idx")
+
+        B, T, _ = hidden_states.shape
+        q, k, v, g = self._heads(hidden_states)
+        state = past_key_values[self.layer_idx] if past_key_values is not None else None
+        compiling = torch.compiler.is_compiling()
+        kw = dict(gamma=None, g=None, normalize=self.normalize, eps=self.eps, backend=self.backend)
+        if T == 1 and (state is not None or use_cache):
+            kw["g"] = None if g is None else g[:, 0]
+            if compiling:
+                o, new = library.stepped(self.order, q[:, 0], k[:, 0], v[:, 0], state, **kw)
+            else:
+                o, new = library.resolve(self.order)[1](q[:, 0], k[:, 0], v[:, 0], state, **kw)
+            o = o[:, None]
+        else:
+            kw.update(g=g, initial_state=state, output_final_state=use_cache, chunk_size=self.chunk_size)
+            if compiling:
+                o, new = library.chunked(self.order, q, k, v, **kw)
+            else:
+                o, new = library.resolve(self.order)[0](q, k, v, **kw)
+        if use_cache:
+            past_key_values.update(self.layer_idx, new, T)
+        if self.output_norm:
+            o = _rms_norm(o, self.o_norm_weight, self.norm_eps)
+        o = self.o_proj(o.reshape(B, T, self.num_heads * self.head_dim))
+        return o, None, past_key_values
+
