@@ -49,6 +49,21 @@ the output norm with ``normalize=False``, were chosen by measurement: ``python b
 smoke accuracy for each combination; recorded in benchmarks/results/mqar_state_range_cpu.json and
 discussed in hla_fast/README.md, "The layer").
 
+Context parallelism (``forward(..., cp_group=group)``). With a ``torch.distributed`` process group
+(``torch.distributed.group.WORLD`` for the default one), this rank's ``hidden_states`` are its
+contiguous slice of the sequence (slices in rank order) and the operator call goes through
+``hla_fast.context_parallel(self.order, q, k, v, group=cp_group, ...)`` with the layer's gates,
+normalize, eps, chunk_size and backend; projections, norms and gates are per token, so every rank's
+output is its slice of the single-process layer's output on the whole sequence. Every rank must run
+backward, and the gradients of the (replicated) parameters are this rank's share: summed over the
+group (as a data-parallel all-reduce does) they are the single-process gradients. The group is a
+``forward`` argument, not a constructor one, because it is a runtime object of the training setup
+(not a property of the weights): the same module can run with or without context parallelism, and
+it stays deep-copyable and picklable. A cache (``past_key_values``, ``use_cache=True``) and
+decode steps are refused with ``cp_group`` (the state would be the global one, held on every rank),
+and so is ``torch.compile`` tracing (the autograd-aware all-gather is not traced): compile the
+projections around it or run the layer eagerly.
+
 Backends. ``backend=None`` lets the operator choose (Triton kernels for CUDA tensors, the torch
 chunk form otherwise). Under ``torch.compile`` the layer calls the operators through their
 ``torch.library`` custom ops (``hla_fast.ops.library``), which the compiler treats as single nodes
@@ -68,9 +83,9 @@ QK_NORMS = ("l2", None)
 
 
 def _rms_norm(x, weight, eps):
-    """RMS norm over the last dim in fp32, returned in x's dtype. x: [..., V]; weight: [V]."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    """RMS norm over the last dim in fp32 (float64 kept), returned in x's dtype. x: [..., V]; weight: [V]."""
+    xf = x if x.dtype == torch.float64 else x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(xf.dtype)
     return y.to(x.dtype)
 
 
@@ -198,8 +213,13 @@ class HigherOrderLinearAttention(nn.Module):
         return q, k, v, g
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, past_key_values: HLACache | None = None,
-                use_cache: bool = False, **kwargs):
+                use_cache: bool = False, cp_group=None, **kwargs):
         """hidden_states [B, T, D] -> (o [B, T, D], None, past_key_values).
+
+        ``cp_group``: None (one process), or a ``torch.distributed`` process group
+        (``torch.distributed.group.WORLD`` for the default group) over which the sequence is split
+        for context parallelism: ``hidden_states`` is this rank's contiguous slice (see the module
+        docstring). Not with a cache, ``use_cache`` or under ``torch.compile``.
 
         ``past_key_values``: an HLACache or None. With a cache holding this layer's state, the call
         continues from it; with ``use_cache=True`` the state after the call is stored (an empty cache
@@ -218,6 +238,15 @@ class HigherOrderLinearAttention(nn.Module):
             raise TypeError(f"use_cache must be True or False, got {use_cache!r}")
         if past_key_values is not None and not isinstance(past_key_values, HLACache):
             raise TypeError(f"past_key_values must be an HLACache or None, got {type(past_key_values).__name__}")
+        if cp_group is not None:
+            if isinstance(cp_group, (bool, int, str)):
+                raise TypeError(f"cp_group must be None or a torch.distributed process group, got {cp_group!r}")
+            if use_cache or past_key_values is not None:
+                raise ValueError("cp_group (context parallelism) cannot be combined with past_key_values or "
+                                 "use_cache=True: a cache and decode steps run in one process")
+            if torch.compiler.is_compiling():
+                raise RuntimeError("cp_group (context parallelism) is not supported under torch.compile: "
+                                   "run the layer eagerly (or compile around it)")
         if use_cache and past_key_values is None:
             past_key_values = HLACache()
         if past_key_values is not None and self.layer_idx is None:
@@ -228,7 +257,12 @@ class HigherOrderLinearAttention(nn.Module):
         state = past_key_values[self.layer_idx] if past_key_values is not None else None
         compiling = torch.compiler.is_compiling()
         kw = dict(gamma=None, g=None, normalize=self.normalize, eps=self.eps, backend=self.backend)
-        if T == 1 and (state is not None or use_cache):
+        if cp_group is not None:
+            from ..ops.cp import context_parallel
+            o, _ = context_parallel(self.order, q, k, v, group=cp_group, g=g, normalize=self.normalize,
+                                    eps=self.eps, chunk_size=self.chunk_size, backend=self.backend)
+            new = None
+        elif T == 1 and (state is not None or use_cache):
             kw["g"] = None if g is None else g[:, 0]
             if compiling:
                 o, new = library.stepped(self.order, q[:, 0], k[:, 0], v[:, 0], state, **kw)

@@ -304,9 +304,51 @@ def _bad_calls(rank):
     return msgs
 
 
+LAYER_CASES = [("hla2", "data"), ("ahla", "fixed"), ("hla3", "none")]
+
+
+def _layer(order, gate):
+    """The same HigherOrderLinearAttention (weights from one seed) in every process, float64."""
+    from hla_fast.layers import HigherOrderLinearAttention
+    torch.manual_seed(3)
+    layer = HigherOrderLinearAttention(hidden_size=8, num_heads=2, num_kv_heads=1 if order == "hla3" else None,
+                                       order=order, gate=gate, chunk_size=4, backend="torch").double()
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():   # a nonzero, varied output-norm scale
+        layer.o_norm_weight.add_(0.3 * torch.randn(layer.o_norm_weight.shape, generator=gen, dtype=torch.float64))
+    return layer, gen
+
+
+def _layer_case(order, gate, rank, world, cuts):
+    """The layer with ``cp_group`` on this rank's slice against the single-process layer on the
+    whole sequence: errors of the output slice, the input slice's gradient and every parameter's
+    gradient summed over the ranks (all_reduce)."""
+    import torch.distributed as dist
+    layer, gen = _layer(order, gate)
+    x = torch.randn(2, cuts[-1], 8, generator=gen, dtype=torch.float64)
+    w = torch.randn(2, cuts[-1], 8, generator=gen, dtype=torch.float64)
+    xf = _leaf(x)
+    o_ref = layer(xf)[0]
+    (o_ref * w).sum().backward()
+    p_ref = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad(set_to_none=True)
+    a, b = cuts[rank], cuts[rank + 1]
+    xs = _leaf(x[:, a:b])
+    o, none, cache = layer(xs, cp_group=dist.group.WORLD)
+    errs = {"o": rel(o, o_ref[:, a:b].detach()), "none": float(none is not None or cache is not None)}
+    (o * w[:, a:b]).sum().backward()
+    errs["dx"] = rel(xs.grad, xf.grad[:, a:b])
+    for n, p in layer.named_parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad)
+        errs[f"d{n}"] = rel(grad, p_ref[n])
+    return errs
+
+
 def _worker(rank, world, init_file, out_dir, names, cuts, with_triton, mode="gloo"):
     """One rank. gloo: the float64 torch cases of every operator, hla2's Triton case when
-    ``with_triton`` (interpreter), the failing calls. nccl: GPU ``rank``, the Triton kernels in
+    ``with_triton`` (interpreter), the failing calls. layer (gloo): the layer cases ``names`` of
+    ``LAYER_CASES``. nccl: GPU ``rank``, the Triton kernels in
     fp32 for every operator."""
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -315,8 +357,11 @@ def _worker(rank, world, init_file, out_dir, names, cuts, with_triton, mode="glo
     try:
         if mode == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(mode, init_method=f"file://{init_file}", rank=rank, world_size=world)
-        if mode == "nccl":
+        dist.init_process_group("gloo" if mode == "layer" else mode, init_method=f"file://{init_file}", rank=rank, world_size=world)
+        if mode == "layer":
+            for order, gate in names:
+                result[f"{order}-{gate}"] = _layer_case(order, gate, rank, world, cuts)
+        elif mode == "nccl":
             for name in names:
                 extra = [("gamma", True, False)] if name == "hla2" else []
                 for kind, normalize, init in [("g", False, True)] + extra:
@@ -396,6 +441,39 @@ def _assert_close(r, res):
         assert errs and "o" in errs and "dq" in errs, (r, case)
         bad = {n: e for n, e in errs.items() if not e < tol}
         assert not bad, f"rank {r} {case}: {bad} (tolerance {tol})"
+
+
+def test_layer_cp_group_matches_single_process(tmp_path):
+    """HigherOrderLinearAttention(...)(slice, cp_group=WORLD) on 2 gloo ranks: each rank's output
+    slice, its input slice's gradient and the parameters' gradients (summed over the ranks) equal
+    the single-process layer on the whole sequence (hla2 with data gates; ahla with the fixed decay
+    and hla3 with grouped key/value heads, where present)."""
+    cases = [c for c in LAYER_CASES if _available(c[0])]
+    results = _spawn(2, tmp_path, cases, [0, 6, 13], with_triton=False, mode="layer")
+    for r, res in enumerate(results):
+        assert sorted(res) == sorted(f"{o}-{g}" for o, g in cases), (r, sorted(res))
+        for case, errs in res.items():
+            assert errs.pop("none") == 0.0, (r, case)
+            assert {"o", "dx", "dq_proj.weight"} <= set(errs), (r, case, sorted(errs))
+            bad = {n: e for n, e in errs.items() if not e < 1e-10}
+            assert not bad, f"rank {r} {case}: {bad} (tolerance 1e-10)"
+
+
+def test_layer_cp_group_refusals():
+    """cp_group with a cache, use_cache or a decode step is refused before any collective."""
+    from hla_fast.layers import HigherOrderLinearAttention, HLACache
+    layer = HigherOrderLinearAttention(hidden_size=8, num_heads=2, layer_idx=0, backend="torch")
+    x = torch.randn(1, 5, 8)
+    group = object()   # never reached: the checks come first
+    with pytest.raises(ValueError, match="cp_group .* use_cache"):
+        layer(x, use_cache=True, cp_group=group)
+    with pytest.raises(ValueError, match="cp_group .* past_key_values"):
+        layer(x, past_key_values=HLACache(), cp_group=group)
+    _, _, cache = layer(x, use_cache=True)
+    with pytest.raises(ValueError, match="cp_group"):   # a decode step
+        layer(x[:, :1], past_key_values=cache, use_cache=True, cp_group=group)
+    with pytest.raises(TypeError, match="cp_group must be None or a torch.distributed process group"):
+        layer(x, cp_group=True)
 
 
 @pytest.mark.gpu
