@@ -11,6 +11,7 @@ import numbers
 
 import torch
 
+from .config import ChunkConfig
 from .launch import interpreter_on
 
 MAX_DIM = 256
@@ -222,6 +223,15 @@ def check_call(q, k, v, gamma, g, normalize, eps, backend, seq: bool, op: str = 
             raise ValueError(f"{op} on backend='triton' takes q, k head sizes K <= {triton_max_k}, got K={dims[3]} "
                              "(use backend='torch' for wider heads)")
     return dims, gamma, g, eps, backend
+
+
+def check_sequence_options(output_final_state, chunk_size, backend: str, config):
+    """The options only a sequence call has: ``output_final_state`` a bool, ``chunk_size`` one
+    the backend takes, ``config`` None or a ChunkConfig."""
+    check_flag(output_final_state, "output_final_state")
+    check_chunk_size(chunk_size, backend)
+    if config is not None and not isinstance(config, ChunkConfig):
+        raise TypeError(f"config must be a ChunkConfig or None, got {type(config).__name__}")
 
 
 def check_state(state, cls, want: dict, optional: set, q, name: str):

@@ -39,6 +39,14 @@ def gates_from_gamma(gamma, like: torch.Tensor) -> torch.Tensor:
     return torch.full(like.shape, log_gamma(gamma), device=like.device, dtype=dtype)
 
 
+def call_gates(g, gamma, q: torch.Tensor):
+    """The log-gates [B, T, H] an operator's torch path takes: ``g`` itself, those of a constant
+    ``gamma`` (:func:`gates_from_gamma`), or None without decay. q: [B, T, H, K]."""
+    if g is not None:
+        return g
+    return None if gamma is None else gates_from_gamma(gamma, q[..., 0])
+
+
 def chunk_local_cumsum(g: torch.Tensor, chunk: int) -> torch.Tensor:
     """beta [B, H, NT, C] from log-gates g [B, T, H]: the cumulative sum inside each chunk of
     ``chunk`` tokens. Padding past T adds 0, so padded rows repeat the chunk's last beta.

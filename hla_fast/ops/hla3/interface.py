@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ..common.checks import check_call, check_chunk_size, check_flag, check_state, zero_state
-from ..common.config import ChunkConfig
-from ..common.gates import gates_from_gamma
+from ..common.checks import check_call, check_sequence_options, check_state, zero_state
+from ..common.gates import call_gates
 from ..common.varlen import varlen_call
 from .state import HLA3State
 
@@ -66,16 +65,12 @@ def hla3(q, k, v, *, gamma=None, g=None, normalize=False, eps=1e-6, initial_stat
                            chunk_size=chunk_size, backend=backend, config=config)
     (B, T, H, K, V), gamma, g, eps, backend = check_call(q, k, v, gamma, g, normalize, eps, backend, seq=True,
                                                          op="hla3", triton_max_k=TRITON_MAX_K)
-    check_flag(output_final_state, "output_final_state")
-    check_chunk_size(chunk_size, backend)
+    check_sequence_options(output_final_state, chunk_size, backend, config)
     st = _check_state(initial_state, B, H, K, V, normalize, q, "initial_state")
-    if config is not None and not isinstance(config, ChunkConfig):
-        raise TypeError(f"config must be a ChunkConfig or None, got {type(config).__name__}")
     if backend == "torch":
         from .torch_backend import hla3_torch
 
-        gates = g if g is not None else (gates_from_gamma(gamma, q[..., 0]) if gamma is not None else None)
-        o, final = hla3_torch(q, k, v, gates, normalize, eps, st, chunk_size)
+        o, final = hla3_torch(q, k, v, call_gates(g, gamma, q), normalize, eps, st, chunk_size)
         return o, (final if output_final_state else None)
     from .chunk import hla3_chunked
 
