@@ -44,3 +44,39 @@ def chunk_inputs(q, k, v, g, chunk_size: int):
     valid = (torch.arange(NT * C, device=dev) < T).reshape(NT, C)
     beta = chunk_local_cumsum(g, C) if g is not None else torch.zeros(B, H, NT, C, device=dev, dtype=q.dtype)
     return C, NT, to_chunks(q, C), to_chunks(k, C), to_chunks(v, C), beta, valid
+
+
+def run_with_normalizer(chunk_fn, cls, norm_of: dict, q, k, v, g, normalize, eps, initial_state, chunk_size):
+    """A torch backend's entry, the same for every operator: compute in fp32 (float64 for float64
+    inputs) and, when ``normalize``, carry the denominator (the numerator with v -> 1) as one more
+    value column, then divide (den + eps).
+
+    chunk_fn(q, k, v, g, state, chunk_size) -> (o [B, T, H, V'], *carried): the operator's chunked
+    torch form on V' value columns, ``state`` None or the carried fields in ``cls`` order.
+    cls: the state NamedTuple; norm_of: {value-carrying field: its normalizer field}, e.g.
+    {"W": "z"}; the other fields of cls not named as normalizers are carried as they are.
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] log-gates or None; initial_state: cls or
+    None. Returns (o [B, T, H, V] in v's dtype, cls)."""
+    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qc, kc, vc = q.to(cd), k.to(cd), v.to(cd)
+    gc = None if g is None else g.to(cd)
+    V = v.shape[-1]
+    carried = [f for f in cls._fields if f not in norm_of.values()]
+    st = None
+    if normalize:
+        vc = torch.cat([vc, torch.ones_like(vc[..., :1])], dim=-1)
+        if initial_state is not None:
+            st = tuple(torch.cat([getattr(initial_state, f), getattr(initial_state, norm_of[f])[..., None]], dim=-1)
+                       if f in norm_of else getattr(initial_state, f) for f in carried)
+    elif initial_state is not None:
+        st = tuple(getattr(initial_state, f) for f in carried)
+    o, *out = chunk_fn(qc, kc, vc, gc, st, chunk_size)
+    parts = dict.fromkeys(cls._fields)
+    for f, x in zip(carried, out):
+        if normalize and f in norm_of:
+            parts[f], parts[norm_of[f]] = x[..., :V], x[..., V]
+        else:
+            parts[f] = x
+    if normalize:
+        o = o[..., :V] / (o[..., V:] + eps)
+    return o.to(v.dtype), cls(**parts)

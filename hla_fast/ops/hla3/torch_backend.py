@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..common.gates import chunk_decay_tiles
-from ..common.torch_chunks import chunk_inputs, from_chunks
+from ..common.torch_chunks import chunk_inputs, from_chunks, run_with_normalizer
 from .state import HLA3State
 
 
@@ -87,23 +87,5 @@ def hla3_torch(q, k, v, g=None, normalize=False, eps=1e-6, initial_state=None, c
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] log-gates or None; initial_state: HLA3State
     or None. Returns (o [B, T, H, V] in v's dtype, HLA3State)."""
-    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
-    qc, kc, vc = q.to(cd), k.to(cd), v.to(cd)
-    gc = None if g is None else g.to(cd)
-    V = v.shape[-1]
-    st = None
-    if normalize:
-        # the denominator is the numerator with v -> 1: carry it as one more value column
-        vc = torch.cat([vc, torch.ones_like(vc[..., :1])], dim=-1)
-        if initial_state is not None:
-            st = (initial_state.S, torch.cat([initial_state.P, initial_state.p[..., None]], dim=-1),
-                  torch.cat([initial_state.F, initial_state.f[..., None]], dim=-1))
-    elif initial_state is not None:
-        st = (initial_state.S, initial_state.P, initial_state.F)
-    o, S, P, F = hla3_chunk_torch(qc, kc, vc, gc, st, chunk_size)
-    if normalize:
-        o = o[..., :V] / (o[..., V:] + eps)
-        state = HLA3State(S, P[..., :V], F[..., :V], P[..., V], F[..., V])
-    else:
-        state = HLA3State(S, P, F, None, None)
-    return o.to(v.dtype), state
+    return run_with_normalizer(hla3_chunk_torch, HLA3State, {"P": "p", "F": "f"}, q, k, v, g, normalize, eps, initial_state,
+                               chunk_size)
