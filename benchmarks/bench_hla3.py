@@ -216,6 +216,12 @@ def render_markdown(res):
                          f"{_f(fr[0])} | {_f(fr[1])} | {_f(r.get('hla3_fwd_tflops'))} |")
         errs = [(r["T"], r["K"], k_, x) for r in res["main"] for k_, x in r.items() if k_.endswith("_error")]
         lines += [""] + [f"- error at T={a}, K={b}, {n}: {e}" for a, b, n, e in errs] + [""]
+        sh = res.get("shapes") or {}
+        done = {(r["T"], r["K"]) for r in res["main"]}
+        missing = [(T, K) for K in sh.get("K=V", []) for T in sh.get("T", []) if (T, K) not in done]
+        if missing:
+            lines += ["Not measured (the run ended before these rows): " +
+                      ", ".join(f"T={T} at K=V={K}" for T, K in missing) + ".", ""]
     d = res.get("decode")
     if d:
         lines += ["## Decode (hla3_step)", "", f"B={d['B']}, H={d['H']}, K={d['K']}, V={d['V']}: "

@@ -131,6 +131,8 @@ def render_markdown(res):
                     cells.append("-" if r is None else f"{r[metric]:.1e}")
                 lines.append(f"| {case} | {dt if metric != 'out_rms' else '-'} | " + " | ".join(cells) + " |")
         lines.append("")
+    if any(c == "-" for line in lines for c in line.split(" | ")):
+        lines += ["A '-' is a case the run did not reach (it was stopped before).", ""]
     lines += ["Cases and the advice on scale: see the docstring of benchmarks/hla3_accuracy.py.", ""]
     return "\n".join(lines)
 

@@ -37,9 +37,10 @@ ones (``--train-examples`` fixes its size instead, and the batches go round it i
 figure-2 sweep trains each configuration for up to 64 epochs of 100k sequences (batches of 512 up
 to 128 tokens, 256 at 256; learning rates 1e-4 .. 1e-2) and stops at 99% accuracy; a grid of 180
 runs in minutes of one GPU affords about 200 steps a run. The tied head, new sequences at every
-step and a high learning rate make that enough for softmax attention on the short tasks; the
-linear mixers learn recall more slowly, so at this budget a cell measures how far a mixer gets in
-a fixed number of steps, not the capacity it would reach with Zoology's training. The
+step and a high learning rate make that enough for softmax attention on the shortest task (on an
+H200: 0.96-1.00 at (64, 4), 0.05-0.35 at (128, 8), chance on the tasks of 256 tokens); the linear
+mixers learn recall more slowly, so at this budget a cell measures how far a mixer gets in a fixed
+number of steps, not the capacity it would reach with Zoology's training (``--steps`` trains longer). The
 learning rate is swept (the first learning rate of ``--lrs`` for every configuration before the
 next); the table reports each configuration's best test accuracy. Training throughput (tokens per
 second) excludes the first steps, which include kernel compilation. ``--compile`` runs the
@@ -59,6 +60,14 @@ Usage:
     python benchmarks/mqar.py --part easy --budget-s 530        # (64, 4), (128, 8), (256, 16)
     python benchmarks/mqar.py --part hard --budget-s 530        # (256, 32), (256, 64)
     python benchmarks/mqar.py --part all --lrs 0.01 --fit-s 530 # one learning rate, steps fitted
+    python benchmarks/mqar.py --part all --workers 5 --budget-s 480 --throughput
+                                 # the whole grid, a process per task side by side on one GPU, then
+                                 # each mixer's training throughput measured alone
+``--workers N`` runs the tasks in N processes side by side on the device (the small models leave a
+GPU idle between kernel launches, so they finish sooner together than one after the other); their
+rows are merged into ``--out``, and since their tokens/s were measured beside each other,
+``--throughput`` measures every mixer's training rate again, one process alone on the device
+(THROUGHPUT), for the throughput table.
 Each run appends its row to ``--out`` (default benchmarks/results/mqar_h200.json; a rerun of the
 same configuration replaces its row) and renders the markdown table next to it (.md).
 """
@@ -580,11 +589,37 @@ def render(res):
                 cells.append("-" if b is None else f"{b['accuracy']:.3f} ({b['lr']:g})")
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
         lines.append("")
-    lines += ["## Training throughput", "",
-              "Tokens per second of training (forward, backward, optimizer), median over the runs of each "
-              "mixer and d_model at the longest sequence.", ""]
+    lines += throughput_lines(res, mixers, ds, tasks)
+    return "\n".join(lines)
+
+
+def throughput_lines(res, mixers, ds, tasks):
+    """The throughput table of render: the dedicated measurement (``--throughput``, one process
+    alone on the device) when the results hold one, else the median over the runs of each mixer and
+    d_model at the longest sequence, leaving out runs that shared the device with other processes
+    (``--workers``), whose rate says as much about their neighbours as about them."""
+    lines = ["## Training throughput", ""]
+    tp = res.get("throughput")
+    if tp:
+        lines += [f"Tokens per second of training (forward, backward, optimizer) at seq_len {tp['seq_len']}, batch "
+                  f"{tp['batch_size']}: {tp['steps_timed']} steps timed after {tp['warm_steps']} warm-up steps, "
+                  f"one process alone on the device ({tp['device']}, {tp['date']}).", ""]
+        rate = {(r["mixer"], r["d_model"]): r["train_tokens_per_s"] for r in tp["rows"]}
+        tds = sorted({d for _, d in rate})
+        lines += ["| mixer | " + " | ".join(f"d_model {d}" for d in tds) + " |", "|---|" + "---|" * len(tds)]
+        for m in [m for m in MIXERS if any(mm == m for mm, _ in rate)]:
+            lines.append(f"| {m} | " + " | ".join("-" if (m, d) not in rate else f"{rate[(m, d)]:,.0f}" for d in tds)
+                         + " |")
+        lines.append("")
+        return lines
+    runs = [r for r in res["runs"] if r.get("concurrent_processes", 1) == 1]
+    if not runs:
+        return lines + ["Not measured: every run shared the device with other processes (`--workers`), so their "
+                        "rates are not reported; `--throughput` measures each mixer alone.", ""]
     Tmax = max(T for T, _ in tasks)
-    lines += ["| mixer | " + " | ".join(f"d_model {d}" for d in ds) + " |", "|---|" + "---|" * len(ds)]
+    lines += ["Tokens per second of training (forward, backward, optimizer), median over the runs of each "
+              "mixer and d_model at the longest sequence that had the device to themselves.", "",
+              "| mixer | " + " | ".join(f"d_model {d}" for d in ds) + " |", "|---|" + "---|" * len(ds)]
     for m in mixers:
         cells = []
         for d in ds:
@@ -592,7 +627,7 @@ def render(res):
             cells.append("-" if not v else f"{float(np.median(v)):,.0f}")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines.append("")
-    return "\n".join(lines)
+    return lines
 
 
 # ----------------------------------------------------------------------------------------------
@@ -755,6 +790,147 @@ def run_grid(*, tasks, mixers, d_models, lrs, cfg, device, out, budget_s=None, p
     return new
 
 
+def _grid_worker(spec_path):
+    """One process of run_workers: run_grid on the spec's tasks (a JSON file), within its deadline,
+    each log line prefixed with the tasks."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    cfg = dict(spec["cfg"])
+    if cfg.get("task_steps"):
+        cfg["task_steps"] = {(T, kv): n for T, kv, n in cfg["task_steps"]}
+    tasks = [tuple(t) for t in spec["tasks"]]
+    tag = ",".join(f"{T}:{kv}" for T, kv in tasks) + " lr " + ",".join(f"{x:g}" for x in spec["lrs"])
+    budget = None if spec["deadline"] is None else spec["deadline"] - time.time()
+    run_grid(tasks=tasks, mixers=spec["mixers"], d_models=spec["d_models"], lrs=spec["lrs"], cfg=cfg,
+             device=torch.device(spec["device"]), out=spec["out"], budget_s=budget, part=spec["part"],
+             log=lambda s: print(f"[{tag}] {s}", flush=True))
+
+
+def deal_tasks(tasks, workers, cfg):
+    """tasks dealt to min(workers, len(tasks)) groups, balanced by their projected time (plan):
+    the longest task first, each to the group with the least projected time so far."""
+    n = max(1, min(int(workers), len(tasks)))
+    cost = {tuple(t): projected_run_s("hla3", 256, t[0], regime_for(t, cfg)["batch_size"], regime_for(t, cfg)["steps"])
+            for t in tasks}
+    groups, load_s = [[] for _ in range(n)], [0.0] * n
+    for t in sorted(tasks, key=lambda t: -cost[tuple(t)]):
+        i = load_s.index(min(load_s))
+        groups[i].append(tuple(t))
+        load_s[i] += cost[tuple(t)]
+    return [sorted(g, key=list(map(tuple, tasks)).index) for g in groups]
+
+
+def deal_jobs(tasks, lrs, workers, cfg):
+    """[(tasks, lrs)]: what each process of run_workers runs. Up to one process a task: the tasks
+    dealt by deal_tasks, every process all learning rates; more workers than tasks: a process per
+    task and share of the learning rates (lrs[j::k], at most one process a learning rate)."""
+    n = max(1, int(workers))
+    if n <= len(tasks):
+        return [(g, list(lrs)) for g in deal_tasks(tasks, n, cfg)]
+    k = min(len(lrs), n // len(tasks))
+    return [([tuple(t)], list(lrs[j::k])) for t in tasks for j in range(k)]
+
+
+def run_workers(*, tasks, workers, out, budget_s=None, device, log=print, **kw):
+    """run_grid over ``tasks`` in ``workers`` processes that share the device, then every row merged
+    into ``out``. The small models of the grid leave a GPU idle between their kernel launches (a step
+    never takes less than PLAN_STEP_FLOOR_*), so processes side by side finish the grid sooner than
+    one. Each process gets a group of tasks (deal_tasks) and the whole budget, writes its own file
+    next to ``out`` (removed after the merge) and keeps run_grid's order, all configurations at the
+    first learning rate first (deal_jobs: with more workers than tasks, a task's learning rates are
+    shared among processes too). Its rows record ``concurrent_processes``; their tokens/s were measured
+    beside other processes, so the throughput table comes from measure_throughput instead."""
+    import subprocess
+
+    t0 = time.perf_counter()
+    groups = deal_jobs(tasks, kw["lrs"], workers, kw["cfg"])
+    if len(groups) == 1:
+        return run_grid(tasks=tasks, out=out, budget_s=budget_s, device=device, log=log, **kw)
+    here = device_name(device)
+    res = load(out)
+    others = sorted({r["device"] for r in res["runs"]} - {here})
+    if others:
+        raise ValueError(f"{out} holds runs from {others}, this run is on {here}: one results file per device "
+                         "(remove it or pass another --out)")
+    cfg = dict(kw["cfg"])
+    if cfg.get("task_steps"):  # JSON has no tuple keys
+        cfg["task_steps"] = [[T, kv, n] for (T, kv), n in cfg["task_steps"].items()]
+    stem = os.path.splitext(out)[0]
+    procs, parts = [], []
+    log(f"{len(groups)} processes: " + "; ".join(",".join(f"{T}:{kv}" for T, kv in g) + " lr " +
+                                                   ",".join(f"{x:g}" for x in glr) for g, glr in groups))
+    for i, (g, glr) in enumerate(groups):
+        part, spec_path = f"{stem}.worker{i}.json", f"{stem}.worker{i}.spec.json"
+        for x in (part, os.path.splitext(part)[0] + ".md"):
+            if os.path.exists(x):
+                os.remove(x)
+        parts.append(part)
+        with open(spec_path, "w") as f:
+            json.dump(dict(tasks=g, mixers=kw["mixers"], d_models=kw["d_models"], lrs=glr, cfg=cfg,
+                           device=str(device), out=part, part=kw.get("part", "custom"),
+                           deadline=None if budget_s is None else time.time() + budget_s - (time.perf_counter() - t0)),
+                      f)
+        # a process of its own (not a fork: a CUDA context does not survive one), this file run as a script
+        procs.append((subprocess.Popen([sys.executable, os.path.abspath(__file__), "--grid-worker", spec_path]),
+                      spec_path))
+    for p, _ in procs:
+        p.wait()
+    for _, spec_path in procs:
+        os.remove(spec_path)
+    failed = [i for i, (p, _) in enumerate(procs) if p.returncode != 0]
+    new = []
+    for part in parts:
+        if os.path.exists(part):
+            rows = load(part)["runs"]
+            for r in rows:
+                r["concurrent_processes"] = len(procs)
+            new += rows
+            os.remove(part)
+            md = os.path.splitext(part)[0] + ".md"
+            if os.path.exists(md):
+                os.remove(md)
+    keys = {row_key(r) for r in new}
+    res["runs"] = [x for x in res["runs"] if row_key(x) not in keys] + new
+    res["path"] = os.path.basename(out)
+    save(res, out)
+    log(f"merged {len(new)} runs of {len(procs)} processes in {time.perf_counter() - t0:.0f}s -> {out}"
+        + (f"; processes {failed} failed" if failed else ""))
+    if failed:
+        raise RuntimeError(f"grid processes {failed} exited with an error (their finished runs are merged)")
+    return new
+
+
+THROUGHPUT = dict(seq_len=256, kv=16, batch_size=256, warm_steps=5, steps_timed=30)
+
+
+def measure_throughput(*, mixers, d_models, cfg, device, out, log=print, linear_impl=None, shape=None):
+    """Training tokens/s of every mixer and d_model, one process alone on the device: the task and
+    batch of ``shape`` (default THROUGHPUT), its warm-up steps (compilation) left out, stored as
+    ``throughput`` in ``out`` (render's throughput table)."""
+    s = shape or THROUGHPUT
+    n = (s["warm_steps"] + s["steps_timed"]) * s["batch_size"]
+    g = mqar_data(cfg["vocab"], n, s["seq_len"], s["kv"], seed=cfg["seed"])
+    h = mqar_data(cfg["vocab"], 250, s["seq_len"], s["kv"], seed=cfg["seed"] + 10)
+    data = tuple(x.to(device) for x in (*g, *h))
+    tcfg = {**cfg, "steps": s["warm_steps"] + s["steps_timed"], "batch_size": s["batch_size"],
+            "warm_steps": s["warm_steps"], "train_examples": n}
+    rows = []
+    for d in d_models:
+        for m in mixers:
+            r = train_one(m, d, 3e-3, data, tcfg, device, linear_impl or linear_attention_torch)
+            rows.append(dict(mixer=m, d_model=d, train_tokens_per_s=r["train_tokens_per_s"]))
+            log(f"throughput {m:>10} d={d:<3}: {r['train_tokens_per_s']:,.0f} tok/s")
+    res = load(out)
+    res["path"] = os.path.basename(out)
+    res["throughput"] = dict(rows=rows, seq_len=s["seq_len"], batch_size=s["batch_size"], warm_steps=s["warm_steps"],
+                             steps_timed=s["steps_timed"], device=device_name(device), versions=versions(),
+                             date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                             dtype="bf16 autocast" if device.type == "cuda" else "fp32",
+                             compiled=bool(cfg.get("compile")))
+    save(res, out)
+    return rows
+
+
 SMOKE = dict(vocab=64, seq_len=16, kv=2, d_model=64, head_dim=32, train_examples=3072, test_examples=256,
              steps=192, batch_size=64, lr=1e-2, seed=0)
 
@@ -819,6 +995,7 @@ def state_range(T=4096, d=64, seed=0, orders=("hla2",), smoke_acc=True):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu-smoke", action="store_true", help="train HLA2 on the tiny smoke task on the CPU")
+    ap.add_argument("--grid-worker", metavar="SPEC", help=argparse.SUPPRESS)  # one process of --workers
     ap.add_argument("--state-range", metavar="JSON", help="run the state-range measurement, write it to JSON")
     ap.add_argument("--part", choices=sorted(PARTS), help="tasks of the grid to run")
     ap.add_argument("--tasks", help="override: seq_len:kv pairs, e.g. 64:4,128:8")
@@ -827,6 +1004,10 @@ def main(argv=None):
     ap.add_argument("--d-models", default=",".join(map(str, D_MODELS)))
     ap.add_argument("--lrs", default=",".join(map(str, LRS)))
     ap.add_argument("--budget-s", type=float, default=None, help="start no run that would end past this")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="processes sharing the device, each a group of the tasks (the rows are merged into --out)")
+    ap.add_argument("--throughput", action="store_true",
+                    help="after the grid (or alone), measure each mixer's training tokens/s alone on the device")
     ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--backend", choices=["triton", "torch"], default=None, help="HLA backend (default: by device)")
@@ -848,6 +1029,9 @@ def main(argv=None):
                     help="first-order linear attention: the torch chunk form, or flash-linear-attention's "
                          "chunk_linear_attn on CUDA (autotunes per d_model: about a minute per process)")
     a = ap.parse_args(argv)
+    if a.grid_worker:
+        _grid_worker(a.grid_worker)
+        return
     if a.cpu_smoke:
         t = time.perf_counter()
         acc = smoke(compile=a.compile)
@@ -869,8 +1053,10 @@ def main(argv=None):
         part = a.part or "custom"
     elif a.part:
         tasks, part = PARTS[a.part], a.part
+    elif a.throughput:
+        tasks, part = [], None  # the throughput measurement alone
     else:
-        ap.error("give --cpu-smoke, --part or --tasks")
+        ap.error("give --cpu-smoke, --part, --tasks or --throughput")
     cfg = dict(vocab=a.vocab, steps=a.steps, batch_size=a.batch_size, train_examples=a.train_examples,
                test_examples=a.test_examples, eval_batch=250, head_dim=a.head_dim, seed=a.seed, conv=a.conv,
                mlp=not a.no_mlp, tie=not a.no_tie, compile=a.compile, backend=a.backend, warm_steps=5,
@@ -887,9 +1073,23 @@ def main(argv=None):
         print(f"part {part}: tasks {tasks}, mixers {mixers}, d_models {d_models}, lrs {lrs}"
               + (", --compile" if a.compile else ""))
         print(format_plan(plan(tasks, mixers, d_models, lrs, cfg), a.budget_s))
+        if a.workers > 1:
+            for g, glr in deal_jobs(tasks, lrs, a.workers, cfg):
+                p = plan(g, mixers, d_models, glr, cfg)
+                print(f"process {g} lr {glr}: {p['total_s']:.0f} s projected alone (the processes share the device, "
+                      "so each takes longer than alone)")
         return
-    run_grid(tasks=tasks, mixers=mixers, d_models=d_models, lrs=lrs, cfg=cfg, device=torch.device(a.device),
-             out=a.out, budget_s=a.budget_s, part=part, log=lambda s: print(s, flush=True))
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    device = torch.device(a.device)
+    if a.workers < 1:
+        ap.error(f"--workers must be >= 1, got {a.workers}")
+    if tasks:
+        run_workers(tasks=tasks, workers=a.workers, mixers=mixers, d_models=d_models, lrs=lrs, cfg=cfg, device=device,
+                    out=a.out, budget_s=a.budget_s, part=part, log=log)
+    if a.throughput:
+        use_fla = device.type == "cuda" and a.linear_impl == "fla"
+        measure_throughput(mixers=mixers, d_models=d_models, cfg=cfg, device=device, out=a.out, log=log,
+                           linear_impl=fla_linear_attention() if use_fla else None)
 
 
 if __name__ == "__main__":

@@ -165,3 +165,38 @@ def test_cpu_smoke_hla2_learns(mqar):
     # chance: 2 / vocab = 1/32 (one value among vocab / 2); the model reaches about 0.5
     acc = mqar.smoke("hla2")
     assert acc > 0.3, acc
+
+
+def test_workers_merge_and_throughput(mqar, tmp_path):
+    """--workers: the tasks run in processes side by side, their rows merged into one file (marked
+    concurrent); --throughput then fills the throughput table from a measurement alone."""
+    out = str(tmp_path / "mqar_w.json")
+    cfg = dict(vocab=64, train_examples=64, test_examples=32, steps=2, batch_size=16, eval_batch=32, head_dim=16,
+               seed=0, conv=4, mlp=False, backend="torch", warm_steps=1)
+    tasks = [(16, 2), (32, 4), (32, 2)]
+    groups = mqar.deal_tasks(tasks, 2, cfg)
+    assert len(groups) == 2 and sorted(t for g in groups for t in g) == sorted(tasks)
+    assert sorted(map(len, mqar.deal_tasks(tasks, 9, cfg))) == [1, 1, 1]  # never more groups than tasks
+    # more workers than tasks: a task's learning rates are shared among processes, each pair once
+    jobs = mqar.deal_jobs(tasks, [1e-2, 3e-3], 6, cfg)
+    assert sorted((t, lr) for g, lrs in jobs for t in g for lr in lrs) == sorted((t, lr) for t in tasks
+                                                                                 for lr in [1e-2, 3e-3])
+    assert len(jobs) == 6 and mqar.deal_jobs(tasks, [1e-2, 3e-3], 2, cfg) == [(g, [1e-2, 3e-3]) for g in groups]
+    rows = mqar.run_workers(tasks=tasks, workers=2, mixers=["attention", "hla2"], d_models=[32], lrs=[1e-2], cfg=cfg,
+                            device=torch.device("cpu"), out=out, log=lambda s: None)
+    res = json.load(open(out))
+    assert len(rows) == 6 and len(res["runs"]) == 6
+    assert {(r["seq_len"], r["num_kv_pairs"]) for r in res["runs"]} == set(tasks)
+    assert all(r["concurrent_processes"] == 2 for r in res["runs"])
+    assert sorted(os.listdir(tmp_path)) == ["mqar_w.json", "mqar_w.md"]  # the per-process files are gone
+    md = open(out[:-5] + ".md").read()
+    # contended rates are not reported as throughput
+    assert "Not measured: every run shared the device" in md.split("## Training throughput")[1]
+    shape = dict(seq_len=16, kv=2, batch_size=8, warm_steps=1, steps_timed=2)
+    tp = mqar.measure_throughput(mixers=["attention", "hla2"], d_models=[32], cfg=cfg, device=torch.device("cpu"),
+                                 out=out, log=lambda s: None, shape=shape)
+    assert [r["mixer"] for r in tp] == ["attention", "hla2"] and all(r["train_tokens_per_s"] > 0 for r in tp)
+    res = json.load(open(out))
+    assert len(res["runs"]) == 6 and res["throughput"]["seq_len"] == 16 and "device" in res["throughput"]
+    table = open(out[:-5] + ".md").read().split("## Training throughput")[1]
+    assert "one process alone" in table and "| hla2 | -" not in table

@@ -49,6 +49,13 @@ MIN_SEGMENT_CHUNKS = 4
 # widest key tile the segment folds hold whole; wider keys fold F by row blocks of this many rows
 # (and no fold pipelines its loads): the [K, K] fp32 operands must fit Hopper's 227 KB of shared memory
 FOLD_TILE = 64
+# The wide-key bf16 walk. Why bf16 inputs with keys wider than FOLD_TILE walk the backward (hla3_bwd_state_kernel) with
+# fp32 operands: with bf16 operands at K = V = 128 (chunks of 32, 8 warps) that kernel stopped
+# with an illegal memory access on an H200 (Triton 3.6) whenever the backward was segmented,
+# both as the segment summary and as the walk after the fold, while the same launches with fp32
+# inputs, every launch under the interpreter and the unsegmented bf16 walk ran correctly; its
+# addressing does not depend on the dtype. The fp32 variant (tf32x3 products, at fp32's level) is
+# the one tests/fast/test_hla3_kernels.py::test_long_sequences_on_the_gpu checks at K = 128.
 
 
 @functools.lru_cache(maxsize=4096)
@@ -191,6 +198,10 @@ def hla3_bwd(q, k, v, do, g, gamma, s0, p0, f0, dsT, dpT, dfT, cfg: ChunkConfig,
             torch.empty(B, H, K, V, device=dev, dtype=f32)) if s0 is not None else (None, None, None))
     NS, nseg = split_segments(NT, cfg.bwd_segments)
     walk = dict(NS=NS, **common)
+    if flags["IS_BF16"] and BK > FOLD_TILE:
+        # bf16 with keys wider than FOLD_TILE: the walk takes fp32 operands and fp32's products
+        # (the wide-key bf16 walk, beside FOLD_TILE)
+        walk.update(IS_BF16=False, PREC=dot_precision(torch.float32))
     walk_dh0 = dh0
     if nseg > 1:
         # -- backward summaries of the segments from a zero end gradient, folded last to first -----
