@@ -489,3 +489,33 @@ def test_nccl_matches_single_process(world, cuts, tmp_path):
     for r, res in enumerate(results):
         assert len(res) == len(names) + 1, (r, sorted(res))
         _assert_close(r, res)
+
+
+def test_cp_scaling_script_rehearses_on_gloo(tmp_path):
+    """benchmarks/cp_scaling.py as it runs on GPUs, launched by torchrun with two ranks on gloo at
+    tiny sizes: every code path up to NCCL. Its own correctness check (output and every input
+    gradient of context_parallel against one process, fp32 on the torch backend: a few roundings of
+    sums over 200 tokens) stays at fp32's level, and every row holds the timings, the peaks (None
+    off CUDA) and the one-device baseline."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          os.path.join(root, "benchmarks", "cp_scaling.py"), "--cpu-smoke", "--out", str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    res = json.load(open(tmp_path / "cp_cpu_smoke.json"))
+    assert res["meta"]["world"] == 2 and res["meta"]["check_T"] == 100
+    assert sorted(res["meta"]["exactness"]) == sorted(n for n in ("hla2", "ahla", "hla3") if hasattr(hla_fast, n))
+    for name, errs in res["meta"]["exactness"].items():
+        assert sorted(errs) == ["dg", "dk", "dq", "dv", "o"], name
+        assert all(0 <= e < 1e-5 for e in errs.values()), (name, errs)
+    assert {(r["op"], r["T_per_rank"]) for r in res["rows"]} == {(n, T) for n in res["meta"]["exactness"] for T in (100, 64)}
+    for r in res["rows"]:
+        assert r["T_total"] == 2 * r["T_per_rank"] and r["single_fits"] is True
+        assert all(r[f] > 0 for f in ("slice_fwd_ms", "cp_fwd_ms", "cp_fwdbwd_ms", "exchange_ms", "single_fwdbwd_ms"))
+        assert r["cp_fwdbwd_peak_bytes"] is None and r["single_fwdbwd_peak_bytes"] is None
+    md = open(tmp_path / "cp_cpu_smoke.md").read()
+    assert "2 ranks" in md and "Exactness at T/rank = 100" in md and "| hla3 | 64 | 128 |" in md
