@@ -408,7 +408,7 @@ for B, T, H, K, V, dtype, kernels in json.loads(sys.argv[1]):
         key = (name, tuple(sorted((n, str(getattr(x, "dtype", x))) for n, x in kw.items())))
         if name in kernels and key not in seen:
             seen.add(key)
-            out.append([name, shared_bytes(kernel, kw)])
+            out.append([name, shared_bytes(kernel, kw), dtype.itemsize, kw.get("IS_BF16")])
 print(json.dumps(out))
 """
 
@@ -431,7 +431,9 @@ def test_rule_kernels_fit_hopper_shared_memory():
     """The kernels the rule launches for test_long_sequences_on_the_gpu's shapes that once took
     more shared memory than an H200 has: the fp32 gradient program at K = V = 64 on chunks of 64
     (288 KB), the forward fold of the segments at K = V = 128 with both [K, K] moments and S whole
-    (512 KB in bf16, 576 KB in fp32); and the backward fold there (384 KB pipelined)."""
+    (512 KB in bf16, 576 KB in fp32); and the backward fold there (384 KB pipelined). Also that bf16
+    inputs at K = 128 walk the backward with fp32 operands (the H200 fault noted beside
+    chunk.FOLD_TILE)."""
     folds = ["hla3_fwd_fold_kernel", "hla3_fwd_fold_f_kernel", "hla3_bwd_fold_kernel"]
     # bf16 at K = 128 walks the backward with fp32 operands (the note beside chunk.FOLD_TILE)
     cases = [(2, 4099, 4, 64, 64, "float32", ["hla3_bwd_grad_kernel"]),
@@ -442,6 +444,9 @@ def test_rule_kernels_fit_hopper_shared_memory():
                          env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     shared = json.loads(run.stdout.strip().splitlines()[-1])
-    assert {name for name, _ in shared} == {"hla3_bwd_grad_kernel", "hla3_bwd_state_kernel", *folds}
-    for name, nbytes in shared:
+    assert {name for name, *_ in shared} == {"hla3_bwd_grad_kernel", "hla3_bwd_state_kernel", *folds}
+    for name, nbytes, _, _ in shared:
         assert nbytes <= HOPPER_SHARED, (name, nbytes)
+    # the bf16 walk at K = 128 runs with fp32 operands, as the segment summary and as the walk
+    walks = [bf16 for name, _, size, bf16 in shared if name == "hla3_bwd_state_kernel" and size == 2]
+    assert len(walks) == 2 and not any(walks)
