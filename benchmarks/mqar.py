@@ -538,8 +538,32 @@ def save(res, path):
     with open(tmp, "w") as f:
         json.dump(res, f, indent=1)
     os.replace(tmp, path)
-    with open(os.path.splitext(path)[0] + ".md", "w") as f:
+    with open(markdown_path(path), "w") as f:
         f.write(render(res))
+
+
+def markdown_path(path):
+    """The markdown table rendered beside the results file ``path``."""
+    return os.path.splitext(path)[0] + ".md"
+
+
+def load_for_device(path, device):
+    """The results at ``path`` (load), refused when they hold runs of another device than
+    ``device``: one results file per device."""
+    res = load(path)
+    here = device_name(device)
+    others = sorted({r["device"] for r in res["runs"]} - {here})
+    if others:
+        raise ValueError(f"{path} holds runs from {others}, this run is on {here}: one results file per device "
+                         "(remove it or pass another --out)")
+    res["path"] = os.path.basename(path)
+    return res
+
+
+def merge_rows(res, rows):
+    """res["runs"] with ``rows`` added, each replacing an earlier run of its configuration (row_key)."""
+    keys = {row_key(r) for r in rows}
+    res["runs"] = [x for x in res["runs"] if row_key(x) not in keys] + list(rows)
 
 
 def best_runs(runs):
@@ -726,13 +750,7 @@ def run_grid(*, tasks, mixers, d_models, lrs, cfg, device, out, budget_s=None, p
     the same configuration at an earlier learning rate, else its projection (PLAN_*) plus the
     first-call allowance of a mixer and d_model not run yet. Returns the list of new rows."""
     t0 = time.perf_counter()
-    res = load(out)
-    res["path"] = os.path.basename(out)
-    here = device_name(device)
-    others = sorted({r["device"] for r in res["runs"]} - {here})
-    if others:
-        raise ValueError(f"{out} holds runs from {others}, this run is on {here}: one results file per device "
-                         "(remove it or pass another --out)")
+    res = load_for_device(out, device)
     use_fla = device.type == "cuda" and cfg.get("linear_impl", "torch") == "fla"
     linear_impl = (fla_linear_attention() if use_fla else None) or linear_attention_torch
     linear_name = "fla.chunk_linear_attn" if linear_impl is not linear_attention_torch else "torch chunk form"
@@ -781,7 +799,7 @@ def run_grid(*, tasks, mixers, d_models, lrs, cfg, device, out, budget_s=None, p
                                                       "head_dim", "seed", "conv", "mlp")},
                              tie=bool(cfg.get("tie", True)), compiled=compiled,
                              dtype="bf16 autocast" if device.type == "cuda" else "fp32")
-                    res["runs"] = [x for x in res["runs"] if row_key(x) != row_key(r)] + [r]
+                    merge_rows(res, [r])
                     save(res, out)
                     new.append(r)
                     log(f"{m:>10} d={d:<3} T={T:<3} kv={kv:<2} lr={lr:g}: acc {r['accuracy']:.3f} "
@@ -810,8 +828,8 @@ def deal_tasks(tasks, workers, cfg):
     """tasks dealt to min(workers, len(tasks)) groups, balanced by their projected time (plan):
     the longest task first, each to the group with the least projected time so far."""
     n = max(1, min(int(workers), len(tasks)))
-    cost = {tuple(t): projected_run_s("hla3", 256, t[0], regime_for(t, cfg)["batch_size"], regime_for(t, cfg)["steps"])
-            for t in tasks}
+    regimes = {tuple(t): regime_for(t, cfg) for t in tasks}
+    cost = {t: projected_run_s("hla3", 256, t[0], r["batch_size"], r["steps"]) for t, r in regimes.items()}
     groups, load_s = [[] for _ in range(n)], [0.0] * n
     for t in sorted(tasks, key=lambda t: -cost[tuple(t)]):
         i = load_s.index(min(load_s))
@@ -846,12 +864,7 @@ def run_workers(*, tasks, workers, out, budget_s=None, device, log=print, **kw):
     groups = deal_jobs(tasks, kw["lrs"], workers, kw["cfg"])
     if len(groups) == 1:
         return run_grid(tasks=tasks, out=out, budget_s=budget_s, device=device, log=log, **kw)
-    here = device_name(device)
-    res = load(out)
-    others = sorted({r["device"] for r in res["runs"]} - {here})
-    if others:
-        raise ValueError(f"{out} holds runs from {others}, this run is on {here}: one results file per device "
-                         "(remove it or pass another --out)")
+    res = load_for_device(out, device)
     cfg = dict(kw["cfg"])
     if cfg.get("task_steps"):  # JSON has no tuple keys
         cfg["task_steps"] = [[T, kv, n] for (T, kv), n in cfg["task_steps"].items()]
@@ -861,7 +874,7 @@ def run_workers(*, tasks, workers, out, budget_s=None, device, log=print, **kw):
                                                    ",".join(f"{x:g}" for x in glr) for g, glr in groups))
     for i, (g, glr) in enumerate(groups):
         part, spec_path = f"{stem}.worker{i}.json", f"{stem}.worker{i}.spec.json"
-        for x in (part, os.path.splitext(part)[0] + ".md"):
+        for x in (part, markdown_path(part)):
             if os.path.exists(x):
                 os.remove(x)
         parts.append(part)
@@ -885,13 +898,10 @@ def run_workers(*, tasks, workers, out, budget_s=None, device, log=print, **kw):
             for r in rows:
                 r["concurrent_processes"] = len(procs)
             new += rows
-            os.remove(part)
-            md = os.path.splitext(part)[0] + ".md"
-            if os.path.exists(md):
-                os.remove(md)
-    keys = {row_key(r) for r in new}
-    res["runs"] = [x for x in res["runs"] if row_key(x) not in keys] + new
-    res["path"] = os.path.basename(out)
+            for x in (part, markdown_path(part)):
+                if os.path.exists(x):
+                    os.remove(x)
+    merge_rows(res, new)
     save(res, out)
     log(f"merged {len(new)} runs of {len(procs)} processes in {time.perf_counter() - t0:.0f}s -> {out}"
         + (f"; processes {failed} failed" if failed else ""))
@@ -1067,6 +1077,8 @@ def main(argv=None):
             ap.error(f"unknown mixer {m!r}; choose from {MIXERS}")
     d_models = [int(x) for x in a.d_models.split(",")]
     lrs = [float(x) for x in a.lrs.split(",")]
+    if a.workers < 1:
+        ap.error(f"--workers must be >= 1, got {a.workers}")
     if a.fit_s is not None:
         cfg["task_steps"] = fit_steps(tasks, mixers, d_models, lrs, cfg, a.fit_s)
     if a.plan:
@@ -1081,8 +1093,6 @@ def main(argv=None):
         return
     log = lambda s: print(s, flush=True)  # noqa: E731
     device = torch.device(a.device)
-    if a.workers < 1:
-        ap.error(f"--workers must be >= 1, got {a.workers}")
     if tasks:
         run_workers(tasks=tasks, workers=a.workers, mixers=mixers, d_models=d_models, lrs=lrs, cfg=cfg, device=device,
                     out=a.out, budget_s=a.budget_s, part=part, log=log)
