@@ -104,22 +104,45 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def timed(fn, device, iters, warmup):
-    """Median seconds of fn() over iters (after warmup), the slowest rank's (ranks start together)."""
+def median_s(fn, device, iters, warmup, before=None):
+    """Median seconds of fn() on this process over iters (after warmup); ``before()`` runs ahead
+    of each timed call, outside the time."""
     for _ in range(warmup):
         fn()
     sync(device)
     times = []
     for _ in range(iters):
-        dist.barrier()
+        if before is not None:
+            before()
         sync(device)
         t0 = time.perf_counter()
         fn()
         sync(device)
         times.append(time.perf_counter() - t0)
-    med = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    return float(med)
+    return statistics.median(times)
+
+
+def max_over_ranks(x, device):
+    """The largest value of the number x over the ranks."""
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def timed(fn, device, iters, warmup):
+    """Median seconds of fn() over iters (after warmup), the slowest rank's (ranks start together)."""
+    return max_over_ranks(median_s(fn, device, iters, warmup, before=dist.barrier), device)
+
+
+def local_peak_bytes(fn, device):
+    """Peak CUDA memory allocated during one fn() on this process, or None off CUDA."""
+    if device.type != "cuda":
+        return None
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    sync(device)
+    return int(torch.cuda.max_memory_allocated(device))
 
 
 def inputs(a, T, rank, device, seed=0):
@@ -163,23 +186,15 @@ def check_exact(a, name, T, rank, world, device):
     names = ["o", "dq", "dk", "dv", "dg"][:2 + len(grads)]
     pairs = [(o, ref[:, mine])] + [(g, r[:, mine]) for g, r in zip(grads, ref_grads)]
     errs = torch.tensor([float((x.detach().double() - y.detach().double()).norm() / y.detach().double().norm())
-                         for x, y in pairs],
-                        dtype=torch.float64, device=device)
+                         for x, y in pairs], dtype=torch.float64, device=device)
     dist.all_reduce(errs, op=dist.ReduceOp.MAX)
     return dict(zip(names, errs.tolist()))
 
 
 def peak_bytes(fn, device):
     """Peak CUDA memory allocated during one fn() (the largest rank's), or None off CUDA."""
-    if device.type != "cuda":
-        return None
-    sync(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    fn()
-    sync(device)
-    peak = torch.tensor([torch.cuda.max_memory_allocated(device)], dtype=torch.float64, device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return int(peak)
+    peak = local_peak_bytes(fn, device)
+    return None if peak is None else int(max_over_ranks(peak, device))
 
 
 def single_device(a, name, T_total, device):
@@ -194,22 +209,8 @@ def single_device(a, name, T_total, device):
             o, _ = op(q, k, v, normalize=a.normalize, backend=a.backend, **kw)
             torch.autograd.grad(o.float().sum(), xs)
 
-        for _ in range(a.warmup):
-            fwdbwd()
-        times = []
-        for _ in range(a.iters):
-            sync(device)
-            t0 = time.perf_counter()
-            fwdbwd()
-            sync(device)
-            times.append(time.perf_counter() - t0)
-        peak = None
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            fwdbwd()
-            sync(device)
-            peak = int(torch.cuda.max_memory_allocated(device))
-        return 1e3 * statistics.median(times), peak
+        ms = 1e3 * median_s(fwdbwd, device, a.iters, a.warmup)
+        return ms, local_peak_bytes(fwdbwd, device)
     except torch.OutOfMemoryError:
         return None, None
 
