@@ -128,6 +128,21 @@ def median_ms(fn, slow_ms=200.0):
     return bench_ms(fn)
 
 
+def graph_ms(fn, calls=10):
+    """Median time (ms) of one fn() replayed from a CUDA graph holding ``calls`` of them back to
+    back: the kernels' time without Python, checks or launch gaps (a decode loop captured in a graph
+    runs this way). fn runs once before the capture so that nothing compiles inside it."""
+    fn()
+    torch.cuda.synchronize()
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        for _ in range(calls):
+            fn()
+    ms = bench_ms(lambda: gr.replay(), warmup=25, rep=200) / calls
+    del gr
+    return ms
+
+
 def loop_ms(fn, n=50, reps=5):
     """Wall time per call of n calls back to back, one synchronize at the end (host and GPU work
     overlap as in a training loop); median of reps loops, ms."""
@@ -999,15 +1014,8 @@ def main():
         ms_n = median_ms(lambda: hla_fast.hla2_step(qa, ka, v, stz, gamma=GAMMA, normalize=True, backend="triton"))
         d.update(norm_ms=ms_n, norm_fraction_of_copy=sbz / ms_n / 1e6 / copy)
         if CUDA:  # the same step replayed from a CUDA graph: no Python or launch gaps between steps
-            hla_fast.hla2_step(q, k, v, st, gamma=GAMMA, backend="triton")
-            torch.cuda.synchronize()
-            gr = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(gr):
-                for _ in range(10):
-                    hla_fast.hla2_step(q, k, v, st, gamma=GAMMA, backend="triton")
-            ms_gr = bench_ms(lambda: gr.replay(), warmup=25, rep=200) / 10
+            ms_gr = graph_ms(lambda: hla_fast.hla2_step(q, k, v, st, gamma=GAMMA, backend="triton"))
             d.update(graph_ms=ms_gr, graph_fraction_of_copy=sb / ms_gr / 1e6 / copy)
-            del gr
         put("decode", d)
         log(f"decode {d}")
 

@@ -7,6 +7,8 @@ Sections (``--sections a,b`` runs only some):
                 backward medians of hla3 with gamma, with per-token log-gates g (that require grad,
                 at the largest T) and flash-linear-attention's first-order chunk_linear_attn (when
                 fla imports); FLOPs of the chunk form and TFLOP/s
+    variants    at the largest T: the default configuration against others (segments, warps,
+                chunks), forward and forward + backward: the measurement behind hla3_config
     decode      hla3_step, B=64, H=16, K=V=128: state traffic against copy bandwidth (also with g
                 and with normalize=True)
     first_call  seconds of the first forward + backward of a fresh process with an empty Triton
@@ -48,13 +50,13 @@ for p in (ROOT, os.path.join(ROOT, "benchmarks")):
 
 import hla_fast  # noqa: E402
 from bench_hla2 import (  # noqa: E402
-    CUDA, DEVICE, bench_ms, free, fwd_bwd, fwd_only, load_fla, log, make_gates, make_inputs, median_ms,
+    CUDA, DEVICE, bench_ms, free, fwd_bwd, fwd_only, graph_ms, load_fla, log, make_gates, make_inputs, median_ms,
 )
 
 GAMMA = 0.999
 TARGET_T = 32768
 FLA_FWD, FLA_FWDBWD = 2.0, 3.0  # bounds against chunk_linear_attn at K = V = 64
-SECTIONS = ("main", "decode", "first_call")
+SECTIONS = ("main", "variants", "decode", "first_call")
 
 
 # ----------------------------------------------------------------------------- counts
@@ -106,6 +108,25 @@ def time_pair(row, name, fn, inputs, do):
     except Exception as e:  # noqa: BLE001
         row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     free()
+
+
+def variant_changes(base):
+    """Layouts timed against the default ``base`` (a ChunkConfig): the segment counts of each walk
+    around the rule's, the other warp count, and the other chunk size where it fits."""
+    out = {"default": {}}
+    for s in sorted({1, 2, base.fwd_segments * 2, base.fwd_segments * 4, max(1, base.fwd_segments // 2)}):
+        if s != base.fwd_segments:
+            out[f"fwd_segments={s}"] = {"fwd_segments": s}
+    for s in sorted({1, 2, base.bwd_segments * 2, base.bwd_segments * 4, max(1, base.bwd_segments // 2)}):
+        if s != base.bwd_segments:
+            out[f"bwd_segments={s}"] = {"bwd_segments": s}
+    other = 8 if base.fwd_warps == 4 else 4
+    out[f"fwd_warps={other}"] = {"fwd_warps": other}
+    other = 8 if base.bwd_warps == 4 else 4
+    out[f"bwd_warps={other}"] = {"bwd_warps": other}
+    if base.fwd_chunk == 64:
+        out["fwd_chunk=32"] = {"fwd_chunk": 32, "save_states": base.bwd_chunk == 32}
+    return out
 
 
 # ----------------------------------------------------------------------------- first call
@@ -222,12 +243,20 @@ def render_markdown(res):
         if missing:
             lines += ["Not measured (the run ended before these rows): " +
                       ", ".join(f"T={T} at K=V={K}" for T, K in missing) + ".", ""]
+    if res.get("variants"):
+        lines += ["## Layouts at the largest T (median ms)", "",
+                  "| T | K=V | variant | fwd | fwd+bwd | error |", "|---|---|---|---|---|---|"]
+        for r in res["variants"]:
+            lines.append(f"| {r['T']} | {r['K']} | {r['variant']} | {_f(r.get('hla3_fwd_ms'))} | "
+                         f"{_f(r.get('hla3_fwdbwd_ms'))} | {r.get('hla3_error', '')[:120]} |")
+        lines.append("")
     d = res.get("decode")
     if d:
         lines += ["## Decode (hla3_step)", "", f"B={d['B']}, H={d['H']}, K={d['K']}, V={d['V']}: "
                   f"{_f(d.get('ms'))} ms, {_f(d.get('gbs'))} GB/s of fp32 state ({_f(d.get('fraction_of_copy'))} of copy "
                   f"bandwidth); with g {_f(d.get('g_ms'))} ms; normalized {_f(d.get('norm_ms'))} ms; torch step "
-                  f"{_f(d.get('torch_ms'))} ms.", ""]
+                  f"{_f(d.get('torch_ms'))} ms." + (f" Replayed from a CUDA graph: {_f(d['graph_ms'])} ms, "
+                  f"{_f(d['graph_fraction_of_copy'])} of copy bandwidth." if "graph_ms" in d else ""), ""]
     if res.get("first_call"):
         lines += ["## First call of a fresh process (compile included, s)", "",
                   "| dtype | K=V | status | fwd | bwd | fwd+bwd | warm fwd+bwd |", "|---|---|---|---|---|---|---|"]
@@ -240,6 +269,11 @@ def render_markdown(res):
         for t in res["targets"]:
             lines.append(f"| {t['target']} | {t['binding']} | {_f(t['hla3_ms'])} | {_f(t['fla_ms'])} | {_f(t['ratio'])} | "
                          f"{'-' if t['met'] is None else ('yes' if t['met'] else 'no')} |")
+        lines.append("")
+    if res.get("runs"):
+        lines += ["## Runs merged into this file", ""]
+        for r in res["runs"]:
+            lines.append(f"- {r['sections']}: {r['date']}, arguments {r.get('args')}" + (f" ({r['note']})" if r.get("note") else ""))
         lines.append("")
     lines += ["Timings: medians of triton.testing.do_bench of the whole Python call (three CUDA-event timings "
               "for calls over 200 ms), helpers of benchmarks/bench_hla2.py. fwd: under torch.no_grad(); "
@@ -257,7 +291,8 @@ def main():
     ap.add_argument("--tag", default="h200", help="files hla3_<tag>.json and hla3_<tag>.md")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes under the Triton interpreter")
     ap.add_argument("--sections", default=",".join(SECTIONS))
-    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--dims", default=None, help="comma list of K=V head sizes (default 64,128; 16,32 with --cpu-smoke)")
+    ap.add_argument("--Ts", default=None, help="comma list of sequence lengths (default 1024..32768; 64,128 with --cpu-smoke)")
     ap.add_argument("--first-call-timeout", type=float, default=300.0)
     # the first-call child (internal)
     ap.add_argument("--first-call-child", action="store_true", help=argparse.SUPPRESS)
@@ -291,10 +326,9 @@ def main():
         with open(path + ".json", "w") as f:
             json.dump(res, f, indent=1, default=str)
 
-    if smoke:
-        B, H, Ts, Ds = 1, 2, [64, 128], [16, 32]
-    else:
-        B, H, Ts, Ds = 4, 16, [1024, 2048, 4096, 8192, 16384, 32768], [int(x) for x in args.dims.split(",")]
+    B, H = (1, 2) if smoke else (4, 16)
+    Ts = [int(x) for x in args.Ts.split(",")] if args.Ts else ([64, 128] if smoke else [1024, 2048, 4096, 8192, 16384, 32768])
+    Ds = [int(x) for x in args.dims.split(",")] if args.dims else ([16, 32] if smoke else [64, 128])
     res["shapes"] = {"B": B, "H": H, "T": Ts, "K=V": Ds}
     fla_fn = (lambda q, k, v: chunk_linear_attn(q, k, v, normalize=False)[0]) if chunk_linear_attn else None
 
@@ -342,6 +376,28 @@ def main():
                 del q, k, v, do
                 free()
 
+    if "variants" in chosen:
+        res["variants"] = []
+        T = Ts[-1]
+        for D in Ds:
+            q, k, v = make_inputs(B, T, H, D, D)
+            do = torch.randn_like(v)
+            base = hla_fast.hla3_config(B, T, H, D, D, q.dtype, q.device)
+            for name, changes in variant_changes(base).items():
+                row = {"T": T, "K": D, "variant": name, "changes": changes}
+                try:
+                    cfg = base.replace(**changes)
+                    row["config"] = str(cfg)
+                    time_pair(row, "hla3", lambda a_, b_, c_, cfg=cfg: hla_fast.hla3(
+                        a_, b_, c_, gamma=GAMMA, backend="triton", config=cfg)[0], (q, k, v), do)
+                except Exception as e:  # noqa: BLE001
+                    row["hla3_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                res["variants"].append(row)
+                save()
+                log(f"variants {row}")
+            del q, k, v, do
+            free()
+
     if "decode" in chosen:
         Bd, Hd, Kd, Vd = (2, 2, 16, 16) if smoke else (64, 16, 128, 128)
         gen = torch.Generator(device=DEVICE).manual_seed(1)
@@ -361,6 +417,9 @@ def main():
         qa, ka = q.abs(), k.abs()
         d["norm_ms"] = median_ms(lambda: hla_fast.hla3_step(qa, ka, v, stn, gamma=GAMMA, normalize=True, backend="triton"))
         d["norm_fraction_of_copy"] = decode_state_bytes(Bd, Hd, Kd, Vd, True) / d["norm_ms"] / 1e6 / copy
+        if CUDA:  # replayed from a CUDA graph: the kernel without the call's host work
+            d["graph_ms"] = graph_ms(lambda: hla_fast.hla3_step(q, k, v, st, gamma=GAMMA, backend="triton"))
+            d["graph_fraction_of_copy"] = sb / d["graph_ms"] / 1e6 / copy
         res["decode"] = d
         save()
         log(f"decode {d}")

@@ -201,9 +201,11 @@ for K, V, dtype, normalize in json.loads(sys.argv[1]):
     Vn = V + normalize
     BK, BV = chunk.bwd_blocks(K, Vn, dev)
     el = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
-    snap = "*bf16" if chunk._snapshot_dtype(cfg, dtype) == torch.bfloat16 else "*fp32"
+    snap_dtype = chunk._snapshot_dtype(cfg, dtype)
+    snap = "*bf16" if snap_dtype == torch.bfloat16 else "*fp32"
+    dst = "*bf16" if chunk._dstate_dtype(snap_dtype, BK) == torch.bfloat16 else "*fp32"
     types = dict(q=el, k=el, v=el, do=el, dq=el, dk=el, dv=el, g="*fp32", db="*fp32", cs_p=snap, cs_e=snap,
-                 dp_end="*fp32", de_end="*fp32", log_gamma="fp32", T="i32")
+                 dp_end=dst, de_end=dst, log_gamma="fp32", T="i32")
     consts = dict(H=2, K=K, V=Vn, BT=cfg.bwd_chunk, BK=BK, BV=BV, HAS_DECAY=True, IS_BF16=launch.bf16_dots(dtype),
                   PREC=chunk.grad_precision(dtype), HAS_G=True, HAS_DB=True,
                   KEYS_PER_BLOCK=chunk.grad_keys_per_block(launch.cdiv(Vn, BV), BK, dtype))
@@ -234,9 +236,12 @@ def test_grad_kernel_fits_hopper_shared_memory():
     """The per-chunk gradient kernel, in the layouts the rule gives for shapes that once took more
     shared memory than an H200 has (294 to 332 KB): fp32 with two value blocks, K = 256 in fp32
     and bf16 normalized (65 value columns), fp16 (tf32 products of fp32 tiles took 368 KB and
-    more); and bf16 at K = V = 64 normalized, whose key tiles stay across the value blocks."""
+    more); bf16 at K = V = 64 normalized, whose key tiles stay across the value blocks; and bf16 at
+    K = 128 and 256, where bf16 chunk-end state gradients are staged in shared memory (224 KB at
+    K = 128; 324 KB at K = 256, which therefore keeps fp32 ones, ``chunk._dstate_dtype``)."""
     cases = [(128, 128, "float32", False), (256, 64, "float32", True), (256, 64, "bfloat16", True),
-             (64, 64, "float16", False), (64, 64, "bfloat16", True)]
+             (64, 64, "float16", False), (64, 64, "bfloat16", True), (128, 128, "bfloat16", False),
+             (128, 128, "bfloat16", True), (256, 256, "bfloat16", False)]
     env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _GRAD_SHARED, json.dumps(cases)], capture_output=True, text=True,
                          env=env, timeout=600)

@@ -307,11 +307,13 @@ def test_config_rule():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("D", [64, 128])
-def test_long_sequences_on_the_gpu(dtype, D):
+@pytest.mark.parametrize("one_segment", [False, True], ids=["rule", "one_segment"])
+def test_long_sequences_on_the_gpu(dtype, D, one_segment):
     """The compiled kernels at a realistic size with the default configuration (forward segments
-    chosen by occupancy): outputs, final state and gradients against the float64 torch path on the
-    same rounded inputs. fp32: tf32x3 products (fp32's level) summed over thousands of tokens;
-    bf16: bf16 operands in every product."""
+    chosen by occupancy), and with both walks in one segment (the rule's layout once B * H fills
+    the GPU, where bf16 at K = 128 walks the backward with bf16 operands): outputs, final state and
+    gradients against the float64 torch path on the same rounded inputs. fp32: tf32x3 products
+    (fp32's level) summed over thousands of tokens; bf16: bf16 operands in every product."""
     B, T, H = 2, 4099, 4
     gen = torch.Generator().manual_seed(31)
     q, k = (torch.nn.functional.normalize(torch.randn(B, T, H, D, generator=gen), dim=-1) for _ in range(2))
@@ -321,9 +323,11 @@ def test_long_sequences_on_the_gpu(dtype, D):
     g = g.cuda()
     cfg = hla_fast.hla3_config(B, T, H, D, D, dtype, q.device)
     assert cfg.fwd_segments > 1 and cfg.bwd_segments > 1
+    if one_segment:
+        cfg = cfg.replace(fwd_segments=1, bwd_segments=1)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g)]
-    o, st = hla_fast.hla3(*leaves[:3], g=leaves[3], output_final_state=True)
+    o, st = hla_fast.hla3(*leaves[:3], g=leaves[3], output_final_state=True, config=cfg)
     do = torch.randn(o.shape, generator=gen).to("cuda", dtype)
     o.backward(do)
     leaves64 = [x.detach().double().requires_grad_() for x in (q, k, v, g)]
@@ -391,10 +395,10 @@ def shared_bytes(kernel, kw):
 
 
 out = []
-for B, T, H, K, V, dtype, kernels in json.loads(sys.argv[1]):
+for case, (B, T, H, K, V, dtype, kernels, segmented) in enumerate(json.loads(sys.argv[1])):
     dtype = getattr(torch, dtype)
     cfg = chunk.hla3_config.__wrapped__(B, T, H, K, V, dtype, cuda)
-    assert cfg.fwd_segments > 1 and cfg.bwd_segments > 1
+    assert (cfg.fwd_segments > 1 and cfg.bwd_segments > 1) == segmented, cfg
     q, k, v = (torch.zeros(B, T, H, n, dtype=dtype) for n in (K, K, V))
     g = torch.zeros(B, T, H)
     s0, p0, f0 = (torch.zeros(s) for s in [(B, H, K, K), (B, H, K, V), (B, H, K, V)])
@@ -408,7 +412,7 @@ for B, T, H, K, V, dtype, kernels in json.loads(sys.argv[1]):
         key = (name, tuple(sorted((n, str(getattr(x, "dtype", x))) for n, x in kw.items())))
         if name in kernels and key not in seen:
             seen.add(key)
-            out.append([name, shared_bytes(kernel, kw), dtype.itemsize, kw.get("IS_BF16")])
+            out.append([name, shared_bytes(kernel, kw), dtype.itemsize, kw.get("IS_BF16"), case])
 print(json.dumps(out))
 """
 
@@ -433,20 +437,23 @@ def test_rule_kernels_fit_hopper_shared_memory():
     (288 KB), the forward fold of the segments at K = V = 128 with both [K, K] moments and S whole
     (512 KB in bf16, 576 KB in fp32); and the backward fold there (384 KB pipelined). Also that bf16
     inputs at K = 128 walk the backward with fp32 operands (the H200 fault noted beside
-    chunk.FOLD_TILE)."""
+    chunk.FOLD_TILE), segmented and in one segment (B * H = 64: one wave)."""
     folds = ["hla3_fwd_fold_kernel", "hla3_fwd_fold_f_kernel", "hla3_bwd_fold_kernel"]
     # bf16 at K = 128 walks the backward with fp32 operands (the note beside chunk.FOLD_TILE)
-    cases = [(2, 4099, 4, 64, 64, "float32", ["hla3_bwd_grad_kernel"]),
-             (2, 4099, 4, 128, 128, "bfloat16", folds + ["hla3_bwd_state_kernel"]),
-             (2, 4099, 4, 128, 128, "float32", folds)]
+    cases = [(2, 4099, 4, 64, 64, "float32", ["hla3_bwd_grad_kernel"], True),
+             (2, 4099, 4, 128, 128, "bfloat16", folds + ["hla3_bwd_state_kernel"], True),
+             (2, 4099, 4, 128, 128, "float32", folds, True),
+             (4, 4099, 16, 128, 128, "bfloat16", ["hla3_bwd_state_kernel"], False)]
     env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _SHARED, json.dumps(cases)], capture_output=True, text=True,
                          env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     shared = json.loads(run.stdout.strip().splitlines()[-1])
     assert {name for name, *_ in shared} == {"hla3_bwd_grad_kernel", "hla3_bwd_state_kernel", *folds}
-    for name, nbytes, _, _ in shared:
+    for name, nbytes, *_ in shared:
         assert nbytes <= HOPPER_SHARED, (name, nbytes)
-    # the bf16 walk at K = 128 runs with fp32 operands, as the segment summary and as the walk
-    walks = [bf16 for name, _, size, bf16 in shared if name == "hla3_bwd_state_kernel" and size == 2]
-    assert len(walks) == 2 and not any(walks)
+    # the bf16 walk at K = 128 runs with fp32 operands: segmented as the segment summary and as the
+    # walk, and in one segment
+    walks = {case: [bf16 for name, _, _, bf16, c in shared if name == "hla3_bwd_state_kernel" and c == case]
+             for case in (1, 3)}
+    assert walks == {1: [False, False], 3: [False]}, walks

@@ -125,6 +125,15 @@ def _snapshot_dtype(cfg: ChunkConfig, dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if (cfg.bf16_snapshots and bf16_dots(dtype)) else torch.float32
 
 
+def _dstate_dtype(snap: torch.dtype, BK: int) -> torch.dtype:
+    """dtype of the chunk-end state gradients the backward walk stores for the per-chunk kernel:
+    the snapshots' (``snap``), as HLA2 does, since that kernel reads them only as dot operands
+    (the same bf16 rounding, half the bytes written and read), but fp32 for key tiles wider than
+    GRAD_SHARED_KEYS_MAX_K: with bf16 ones the compiler stages them in shared memory, 324 KB at
+    K = 256, past Hopper's 227 KB (the sm_90 compile in tests/fast/test_ahla_kernels.py)."""
+    return snap if BK <= GRAD_SHARED_KEYS_MAX_K else torch.float32
+
+
 def _common(q, gamma, g):
     """Constexprs and scalars every launch shares."""
     return dict(HAS_DECAY=g is not None or gamma is not None, IS_BF16=bf16_dots(q.dtype),
@@ -234,8 +243,9 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
             **sums, dht_p=dht_p if has_dht else None, dht_e=dht_e if has_dht else None, de_p=de[0], de_e=de[1],
             NSEG=nseg, K=K, V=V, BK=BK, BV=BV, PREC=flags["PREC"], num_warps=nw)
     # -- the walk: every chunk's end-state gradient ------------------------------------------------
-    dp_end = torch.empty(BH, NT, K, V, device=dev, dtype=f32)
-    de_end = torch.empty(BH, NT, K, V, device=dev, dtype=f32)
+    dst = _dstate_dtype(snap, BK)
+    dp_end = torch.empty(BH, NT, K, V, device=dev, dtype=dst)
+    de_end = torch.empty(BH, NT, K, V, device=dev, dtype=dst)
     ahla_bwd_state_kernel[(NV, nseg, BH)](
         q=q, k=k, do=do, g=g, dp_end=dp_end, de_end=de_end, de_p=de[0], de_e=de[1], dh0_p=dh0[0], dh0_e=dh0[1],
         log_gamma=lg, T=T, NS=NS, **common)

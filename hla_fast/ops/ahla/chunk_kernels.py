@@ -370,7 +370,7 @@ def _dstate_step(b_qt, b_k, b_do, d_p, d_e, GT, g1, gl, gC, IS_BF16: tl.constexp
 @triton.jit
 def ahla_bwd_state_kernel(
     q, k, do, g,             # q, k: [B, T, H, K]; do: [B, T, H, V]; g: [B, T, H] or None
-    dp_end, de_end,          # out: gradient of each chunk's END state (P, E), fp32 [B*H, NT, K, V]
+    dp_end, de_end,          # out: gradient of each chunk's END state (P, E) [B*H, NT, K, V], in the snapshots' dtype
     de_p, de_e,              # gradient of each segment's END state, fp32 [B*H*NSEG, K, V]; or None (zero)
     dh0_p, dh0_e,            # out: gradient of the initial state, fp32 [B*H, K, V]; or None
     log_gamma, T, NS,
@@ -554,7 +554,7 @@ def ahla_bwd_grad_kernel(
     dq, dk, dv,              # out: gradients, same shapes and dtypes as q, k, v
     db,                      # out: dL/db_t without the final state's share, fp32 [B, T, H]; or None
     cs_p, cs_e,              # chunk-start snapshots [B*H, NT, K, V] (P0, E0)
-    dp_end, de_end,          # chunk-end state gradients (ahla_bwd_state_kernel), fp32, same shape
+    dp_end, de_end,          # chunk-end state gradients (ahla_bwd_state_kernel), same shape and dtype
     log_gamma, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,

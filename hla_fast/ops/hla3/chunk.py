@@ -52,10 +52,15 @@ FOLD_TILE = 64
 # The wide-key bf16 walk. Why bf16 inputs with keys wider than FOLD_TILE walk the backward (hla3_bwd_state_kernel) with
 # fp32 operands: with bf16 operands at K = V = 128 (chunks of 32, 8 warps) that kernel stopped
 # with an illegal memory access on an H200 (Triton 3.6) whenever the backward was segmented,
-# both as the segment summary and as the walk after the fold, while the same launches with fp32
-# inputs, every launch under the interpreter and the unsegmented bf16 walk ran correctly; its
-# addressing does not depend on the dtype. The fp32 variant (tf32x3 products, at fp32's level) is
-# the one tests/fast/test_hla3_kernels.py::test_long_sequences_on_the_gpu checks at K = 128.
+# both as the segment summary and as the walk after the fold; unsegmented it ran but returned
+# non-finite values in almost every element of dk (dq and dv within bf16's error), at B = 4,
+# H = 16, T = 2048 and 8192. The same launches with fp32 inputs and every launch under the
+# interpreter run correctly, and the kernel's addressing does not depend on the dtype. The fp32
+# variant (tf32x3 products, at fp32's level) is the one
+# tests/fast/test_hla3_kernels.py::test_long_sequences_on_the_gpu checks at K = 128, segmented and
+# in one segment. It costs time: it spills (a 10-25 KB stack frame a thread by ptxas -v) and took
+# 142 of 175 ms of a bf16 forward + backward at K = V = 128, T = 8192, B = 4, H = 16
+# (benchmarks/results/kernels_h200.md).
 
 
 @functools.lru_cache(maxsize=4096)

@@ -1,0 +1,135 @@
+"""Where the time of one forward + backward goes: CUDA time per kernel, from torch.profiler.
+
+For each case ``op:K:T`` (op in hla2, ahla, hla3; K = V; bf16, B = 4, H = 16, gamma = 0.999, the
+default configuration) two warm-up calls, then three forward + backward calls under the profiler;
+every kernel's self CUDA time is divided by three. Triton kernels appear under their function
+names (``hla3_bwd_grad_kernel``), torch's own (sums, casts, fills) under theirs.
+
+    python benchmarks/profile_kernels.py --tag h200                 # the recorded run (a GPU)
+    python benchmarks/profile_kernels.py --render benchmarks/results/kernels_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for p in (ROOT, os.path.join(ROOT, "benchmarks")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+CASES = "ahla:128:32768,ahla:64:32768,hla3:64:32768,hla3:128:8192,hla2:128:32768,hla2:64:32768"
+CALLS = 3
+
+
+def parse_cases(text):
+    """'op:K:T,...' -> [(op, K, T)], checked."""
+    out = []
+    for item in text.split(","):
+        parts = item.split(":")
+        if len(parts) != 3 or parts[0] not in ("hla2", "ahla", "hla3") or not all(x.isdigit() for x in parts[1:]):
+            raise ValueError(f"--cases: expected op:K:T with op in hla2, ahla, hla3, got {item!r}")
+        out.append((parts[0], int(parts[1]), int(parts[2])))
+    return out
+
+
+def profile_case(op, D, T):
+    """{kernel name: [ms per forward + backward, launches per forward + backward]}, largest first."""
+    import hla_fast
+    from bench_hla2 import make_inputs
+    from torch.profiler import ProfilerActivity, profile
+
+    fn = getattr(hla_fast, op)
+    q, k, v = (x.requires_grad_() for x in make_inputs(4, T, 16, D, D))
+    do = torch.randn_like(v)
+
+    def step():
+        o, _ = fn(q, k, v, gamma=0.999, backend="triton")
+        o.backward(do)
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(CALLS):
+            step()
+        torch.cuda.synchronize()
+    rows = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", 0) or 0
+        if t > 0:
+            rows[e.key[:80]] = [t / CALLS / 1000, e.count // CALLS]
+    cfg = getattr(hla_fast, f"{op}_config")(4, T, 16, D, D, q.dtype, q.device)
+    return {"op": op, "K": D, "V": D, "T": T, "B": 4, "H": 16, "config": str(cfg),
+            "kernels_ms": dict(sorted(rows.items(), key=lambda kv: -kv[1][0]))}
+
+
+def render_markdown(res):
+    v = res.get("versions", {})
+    lines = [f"# Kernel times of one forward + backward on {res['device']}", "",
+             f"Date {res['date']}; torch {v.get('torch')}, triton {v.get('triton')}"
+             + (f"; code {res['code']}" if res.get("code") else "") + ". bf16, B = 4, H = 16, gamma = 0.999, "
+             f"the default configuration; self CUDA time per call, the mean of {CALLS} profiled calls "
+             "(`benchmarks/profile_kernels.py`).", ""]
+    for r in res["cases"]:
+        total = sum(ms for ms, _ in r["kernels_ms"].values())
+        lines += [f"## {r['op']}, K = V = {r['K']}, T = {r['T']}: {total:.3g} ms of kernels", "",
+                  f"`{r['config']}`", "", "| kernel | ms | share | launches |", "|---|---|---|---|"]
+        for name, (ms, n) in r["kernels_ms"].items():
+            if ms >= 0.001:
+                lines.append(f"| `{name}` | {ms:.3g} | {ms / total:.0%} | {n} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write(res, path):
+    with open(path + ".json", "w") as f:
+        json.dump(res, f, indent=1)
+    with open(path + ".md", "w") as f:
+        f.write(render_markdown(res))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    ap.add_argument("--tag", default="h200", help="files kernels_<tag>.json and kernels_<tag>.md")
+    ap.add_argument("--cases", default=CASES, help="comma list of op:K:T")
+    ap.add_argument("--render", default=None, help="only write the markdown beside this recorded JSON")
+    args = ap.parse_args()
+    if args.render:
+        with open(args.render) as f:
+            res = json.load(f)
+        with open(os.path.splitext(args.render)[0] + ".md", "w") as f:
+            f.write(render_markdown(res))
+        return
+    try:
+        cases = parse_cases(args.cases)
+    except ValueError as e:
+        ap.error(str(e))
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device (kernel times come from the CUDA profiler)")
+    import triton
+    res = {"device": torch.cuda.get_device_name(0),
+           "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()},
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "cases": []}
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"kernels_{args.tag}")
+    for op, D, T in cases:
+        t0 = time.perf_counter()
+        res["cases"].append(profile_case(op, D, T))
+        print(f"{op} K={D} T={T}: {time.perf_counter() - t0:.1f} s", flush=True)
+        write(res, path)
+        torch.cuda.empty_cache()
+    print(f"wrote {path}.json and {path}.md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The benchmark scripts on a CPU: each recorded results file renders the markdown stored beside
+it (so neither goes stale alone), bench_hla3's layout sweep runs under the Triton interpreter, and
+profile_kernels.py checks its cases and renders per-kernel shares."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+
+
+def load(name):
+    path = os.path.join(ROOT, "benchmarks", f"{name}.py")
+    sys.path.insert(0, os.path.dirname(path))
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(os.path.dirname(path))
+    return mod
+
+
+@pytest.mark.parametrize("script, stem", [("bench_hla3", "hla3_h200"), ("bench_ahla", "ahla_h200"),
+                                          ("bench_ahla", "ahla_h200_layouts"),
+                                          ("bench_ahla", "ahla_h200_first_call"),
+                                          ("profile_kernels", "kernels_h200")])
+def test_recorded_markdown_is_rendered_from_its_json(script, stem):
+    with open(os.path.join(RESULTS, stem + ".json")) as f:
+        res = json.load(f)
+    with open(os.path.join(RESULTS, stem + ".md")) as f:
+        stored = f.read()
+    rendered = load(script).render_markdown(res)
+    assert rendered.strip() == stored.strip()
+
+
+def test_hla3_layout_sweep_runs_on_the_interpreter(tmp_path):
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_hla3.py"), "--cpu-smoke",
+                          "--sections", "variants", "--dims", "16", "--Ts", "40,64", "--out", str(tmp_path),
+                          "--tag", "t"], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads((tmp_path / "hla3_t.json").read_text())
+    rows = res["variants"]
+    names = [r["variant"] for r in rows]
+    # the sweep runs at the largest T, starting from the rule's layout
+    assert names[0] == "default" and {r["T"] for r in rows} == {64}
+    assert {"fwd_segments=2", "bwd_segments=2", "fwd_warps=8", "bwd_warps=8", "fwd_chunk=32"} <= set(names)
+    for r in rows:
+        assert "hla3_error" not in r, r
+        assert r["hla3_fwd_ms"] > 0 and r["hla3_fwdbwd_ms"] > 0
+    md = (tmp_path / "hla3_t.md").read_text()
+    assert "## Layouts at the largest T" in md and md.count("| 64 | 16 |") == len(rows)
+
+
+def test_bench_hla3_refuses_an_unknown_section(tmp_path):
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_hla3.py"), "--cpu-smoke",
+                          "--sections", "mian", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
+    assert run.returncode == 2 and "unknown sections ['mian']" in run.stderr
+
+
+def test_profile_kernels_cases_and_markdown():
+    pk = load("profile_kernels")
+    assert pk.parse_cases("hla2:64:1024,ahla:128:8") == [("hla2", 64, 1024), ("ahla", 128, 8)]
+    for bad in ("hla4:64:1024", "hla2:64", "hla2:x:1024"):
+        with pytest.raises(ValueError, match="--cases: expected op:K:T"):
+            pk.parse_cases(bad)
+    res = {"device": "dev", "date": "d", "versions": {"torch": "t", "triton": "tr"},
+           "cases": [{"op": "hla2", "K": 64, "T": 1024, "config": "c",
+                      "kernels_ms": {"a_kernel": [3.0, 1], "b_kernel": [1.0, 2]}}]}
+    md = pk.render_markdown(res)
+    assert "hla2, K = V = 64, T = 1024: 4 ms of kernels" in md
+    assert "| `a_kernel` | 3 | 75% | 1 |" in md and "| `b_kernel` | 1 | 25% | 2 |" in md
+
+
+def test_ab_revision_imports_an_earlier_package_beside_this_one(tmp_path):
+    """The earlier revision's package is importable under its own name and computes on its own
+    code path (HEAD here, so the two agree exactly on the torch backend)."""
+    if subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    ab = load("ab_revision")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        name = ab.extract("HEAD", tmp_path)
+        old = importlib.import_module(name)
+    finally:
+        sys.path.remove(str(tmp_path))
+    import hla_fast
+    assert old.__name__ == "hla_fast_HEAD" and old.ahla is not hla_fast.ahla
+    q = torch.randn(1, 9, 2, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    a, _ = old.ahla(q, q, q, gamma=0.9, backend="torch")
+    b, _ = hla_fast.ahla(q, q, q, gamma=0.9, backend="torch")
+    assert torch.equal(a, b)
