@@ -66,7 +66,8 @@ FOLD_TILE = 64
 @functools.lru_cache(maxsize=4096)
 def hla3_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: torch.device,
                 chunk_size: int = 64) -> ChunkConfig:
-    """The default layout for one call (a first rule, not yet tuned by measurement):
+    """The default layout for one call (a first rule; at K = V = 64, T = 32k its segments, warps
+    and chunks were the fastest forward + backward of the layouts in benchmarks/results/hla3_h200.md):
 
     * chunks of ``chunk_size`` in the forward and at most 64 in the backward (the per-chunk
       gradient program holds about twenty [BT, BT] and [BT, BK] tiles); heads wider than 64, and
