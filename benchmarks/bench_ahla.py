@@ -53,7 +53,8 @@ for p in (ROOT, HERE):
 
 import hla_fast  # noqa: E402
 from bench_hla2 import (  # noqa: E402
-    CUDA, DEVICE, GAMMA, bench_ms, free, fwd_bwd, fwd_only, graph_ms, load_fla, log, make_gates, make_inputs, median_ms,
+    CUDA, DEVICE, GAMMA, bench_ms, free, fwd_bwd, fwd_only, graph_ms, int_list, load_fla, log, make_gates,
+    make_inputs, median_ms,
 )
 from hla_fast import AHLAState  # noqa: E402
 
@@ -239,8 +240,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     chunk_linear_attn, fla_version = load_fla()
     B, H = (1, 2) if smoke else (4, 16)
-    Ts = [int(x) for x in args.Ts.split(",")] if args.Ts else ([32, 64] if smoke else [1024, 2048, 4096, 8192, 16384, TARGET_T])
-    Ds = [int(x) for x in args.dims.split(",")] if args.dims else ([16, 32] if smoke else [64, 128])
+    Ts = int_list(args.Ts, [32, 64] if smoke else [1024, 2048, 4096, 8192, 16384, TARGET_T])
+    Ds = int_list(args.dims, [16, 32] if smoke else [64, 128])
     res = {
         "device": torch.cuda.get_device_name(0) if CUDA else "cpu (Triton interpreter, --cpu-smoke)",
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,

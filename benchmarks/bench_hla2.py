@@ -128,6 +128,11 @@ def median_ms(fn, slow_ms=200.0):
     return bench_ms(fn)
 
 
+def int_list(text, default):
+    """The integers of a comma list such as ``--Ts 1024,2048``, or ``default`` when it is empty."""
+    return [int(x) for x in text.split(",")] if text else list(default)
+
+
 def graph_ms(fn, calls=10):
     """Median time (ms) of one fn() replayed from a CUDA graph holding ``calls`` of them back to
     back: the kernels' time without Python, checks or launch gaps (a decode loop captured in a graph

@@ -50,7 +50,8 @@ for p in (ROOT, os.path.join(ROOT, "benchmarks")):
 
 import hla_fast  # noqa: E402
 from bench_hla2 import (  # noqa: E402
-    CUDA, DEVICE, bench_ms, free, fwd_bwd, fwd_only, graph_ms, load_fla, log, make_gates, make_inputs, median_ms,
+    CUDA, DEVICE, bench_ms, free, fwd_bwd, fwd_only, graph_ms, int_list, load_fla, log, make_gates, make_inputs,
+    median_ms,
 )
 
 GAMMA = 0.999
@@ -114,16 +115,13 @@ def variant_changes(base):
     """Layouts timed against the default ``base`` (a ChunkConfig): the segment counts of each walk
     around the rule's, the other warp count, and the other chunk size where it fits."""
     out = {"default": {}}
-    for s in sorted({1, 2, base.fwd_segments * 2, base.fwd_segments * 4, max(1, base.fwd_segments // 2)}):
-        if s != base.fwd_segments:
-            out[f"fwd_segments={s}"] = {"fwd_segments": s}
-    for s in sorted({1, 2, base.bwd_segments * 2, base.bwd_segments * 4, max(1, base.bwd_segments // 2)}):
-        if s != base.bwd_segments:
-            out[f"bwd_segments={s}"] = {"bwd_segments": s}
-    other = 8 if base.fwd_warps == 4 else 4
-    out[f"fwd_warps={other}"] = {"fwd_warps": other}
-    other = 8 if base.bwd_warps == 4 else 4
-    out[f"bwd_warps={other}"] = {"bwd_warps": other}
+    for field in ("fwd_segments", "bwd_segments"):
+        n = getattr(base, field)
+        for s in sorted({1, 2, n * 2, n * 4, max(1, n // 2)} - {n}):
+            out[f"{field}={s}"] = {field: s}
+    for field in ("fwd_warps", "bwd_warps"):
+        other = 8 if getattr(base, field) == 4 else 4
+        out[f"{field}={other}"] = {field: other}
     if base.fwd_chunk == 64:
         out["fwd_chunk=32"] = {"fwd_chunk": 32, "save_states": base.bwd_chunk == 32}
     return out
@@ -327,8 +325,8 @@ def main():
             json.dump(res, f, indent=1, default=str)
 
     B, H = (1, 2) if smoke else (4, 16)
-    Ts = [int(x) for x in args.Ts.split(",")] if args.Ts else ([64, 128] if smoke else [1024, 2048, 4096, 8192, 16384, 32768])
-    Ds = [int(x) for x in args.dims.split(",")] if args.dims else ([16, 32] if smoke else [64, 128])
+    Ts = int_list(args.Ts, [64, 128] if smoke else [1024, 2048, 4096, 8192, 16384, TARGET_T])
+    Ds = int_list(args.dims, [16, 32] if smoke else [64, 128])
     res["shapes"] = {"B": B, "H": H, "T": Ts, "K=V": Ds}
     fla_fn = (lambda q, k, v: chunk_linear_attn(q, k, v, normalize=False)[0]) if chunk_linear_attn else None
 

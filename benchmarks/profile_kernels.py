@@ -89,11 +89,16 @@ def render_markdown(res):
     return "\n".join(lines)
 
 
+def write_markdown(res, path):
+    """path.md from the results ``res``."""
+    with open(path + ".md", "w") as f:
+        f.write(render_markdown(res))
+
+
 def write(res, path):
     with open(path + ".json", "w") as f:
         json.dump(res, f, indent=1)
-    with open(path + ".md", "w") as f:
-        f.write(render_markdown(res))
+    write_markdown(res, path)
 
 
 def main():
@@ -107,8 +112,7 @@ def main():
     if args.render:
         with open(args.render) as f:
             res = json.load(f)
-        with open(os.path.splitext(args.render)[0] + ".md", "w") as f:
-            f.write(render_markdown(res))
+        write_markdown(res, os.path.splitext(args.render)[0])
         return
     try:
         cases = parse_cases(args.cases)

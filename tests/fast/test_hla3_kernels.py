@@ -311,7 +311,7 @@ def test_config_rule():
 def test_long_sequences_on_the_gpu(dtype, D, one_segment):
     """The compiled kernels at a realistic size with the default configuration (forward segments
     chosen by occupancy), and with both walks in one segment (the rule's layout once B * H fills
-    the GPU, where bf16 at K = 128 walks the backward with bf16 operands): outputs, final state and
+    the GPU; bf16 operands in that walk at K = 128 once gave non-finite dk there): outputs, final state and
     gradients against the float64 torch path on the same rounded inputs. fp32: tf32x3 products
     (fp32's level) summed over thousands of tokens; bf16: bf16 operands in every product."""
     B, T, H = 2, 4099, 4
