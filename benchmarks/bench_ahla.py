@@ -8,7 +8,7 @@ Sections (default order; ``--sections a,b`` runs only those):
                 grad), against flash-linear-attention's first-order ``chunk_linear_attn`` (when fla
                 imports); FLOPs of the chunk form and TFLOP/s
     variants    at T = 32k (the largest T), the layouts of ``hla_fast.ahla_config(...).replace(...)``:
-                one segment against the rule's segments, backward chunks, warps, kept states
+                gradient launches, warps, segments, chunks and kept states against the rule's
     decode      ahla_step, B=64, H=16, K=V=128: the fp32 state read and written (P, E) against a
                 device copy of the same bytes, with gamma and with g
     accuracy    relative error of the bf16 and fp32 kernels against the float64 torch path
@@ -89,13 +89,24 @@ def ahla_g(q, k, v, g):
 
 
 def variant_changes(K):
-    """Layouts to compare against the rule's: name -> ChunkConfig.replace(**changes)."""
-    out = {"rule": {}, "one_segment": {"fwd_segments": 1, "bwd_segments": 1},
-           "bwd_chunk_32": {"bwd_chunk": 32}, "bwd_chunk_16": {"bwd_chunk": 16},
-           "warps_4": {"fwd_warps": 4, "bwd_warps": 4}, "warps_8": {"fwd_warps": 8, "bwd_warps": 8},
-           "no_saved_states": {"save_states": False}, "fp32_snapshots": {"bf16_snapshots": False}}
-    if K > 64:
-        out["bwd_chunk_64"] = {"bwd_chunk": 64}
+    """Layouts to compare against the rule's: name -> ChunkConfig.replace(**changes), applied to
+    the rule's inference layout for the forward alone and to its training layout for forward +
+    backward. Both sizes: the per-chunk gradients in one, two or three launches, 4 and 8 warps,
+    one segment. K = 64 adds the forward's segments, warps and chunk; wider heads add the forward
+    of 64 whose states the backward recomputes at 32 and the warps of each pass."""
+    out = {"rule": {}, "grad_1_6": {"grad_parts": (1, 6)}, "grad_1_2_4": {"grad_parts": (1, 2, 4)},
+           "grad_3_4": {"grad_parts": (3, 4)}, "warps_4": {"fwd_warps": 4, "bwd_warps": 4},
+           "warps_8": {"fwd_warps": 8, "bwd_warps": 8}, "one_segment": {"fwd_segments": 1, "bwd_segments": 1}}
+    if K <= 64:
+        out.update({"fwd_segments_2": {"fwd_segments": 2}, "fwd_segments_8": {"fwd_segments": 8},
+                    "fwd_warps_8_segments_2": {"fwd_warps": 8, "fwd_segments": 2},
+                    "chunk_32": {"fwd_chunk": 32, "bwd_chunk": 32},
+                    "grad_1_6_bwd_warps_8": {"grad_parts": (1, 6), "bwd_warps": 8}})
+    else:
+        out.update({"fwd_64_recomputed": {"fwd_chunk": 64, "save_states": False},
+                    "fwd_warps_4": {"fwd_warps": 4}, "fwd_warps_8": {"fwd_warps": 8}, "bwd_warps_4": {"bwd_warps": 4},
+                    "grad_1_6_bwd_warps_4": {"grad_parts": (1, 6), "bwd_warps": 4},
+                    "warps_4_segments_2": {"fwd_warps": 4, "bwd_warps": 4, "fwd_segments": 2, "bwd_segments": 2}})
     return out
 
 
@@ -178,6 +189,7 @@ def render_markdown(res):
     L = [f"# hla_fast.ahla on {res['device']}", "",
          f"Date {res['date']}; versions {res['versions']}; shapes {res['shapes']}"
          + (f"; code {res['code']} (an earlier revision of hla_fast)" if res.get("code") else "") + ".", "",
+         *([res["notes"], ""] if res.get("notes") else []),
          f"Ceilings: {res.get('ceilings')}", "", "## Targets", "", "| target | ratio | met |", "|---|---|---|"]
     for t in res.get("targets", []):
         L.append(f"| {t['target']} | {_f(t['ratio'])} | {t['met']} |")
@@ -293,18 +305,21 @@ def main():
         for D in Ds:
             q, k, v = make_inputs(B, T, H, D, D)
             do = torch.randn_like(v)
-            base = hla_fast.ahla_config(B, T, H, D, D, q.dtype, q.device, 64)
+            # the forward alone from the rule's inference layout, forward + backward from its training one
+            bases = {s: hla_fast.ahla_config(B, T, H, D, D, q.dtype, q.device, 64, training=s == "fwdbwd")
+                     for s in ("fwd", "fwdbwd")}
             for name, changes in variant_changes(D).items():
                 row = {"K": D, "T": T, "variant": name, "changes": changes}
                 try:
-                    cfg = base.replace(**changes)
-                    row["config"] = str(cfg)
+                    for s, base in bases.items():
+                        cfg = base.replace(**changes)
+                        row[f"{s}_config"] = str(cfg)
 
-                    def fn(q_, k_, v_, cfg=cfg):
-                        return hla_fast.ahla(q_, k_, v_, gamma=GAMMA, backend="triton", config=cfg)[0]
+                        def fn(q_, k_, v_, cfg=cfg):
+                            return hla_fast.ahla(q_, k_, v_, gamma=GAMMA, backend="triton", config=cfg)[0]
 
-                    row["fwd_ms"] = median_ms(fwd_only(fn, (q, k, v)))
-                    row["fwdbwd_ms"] = median_ms(fwd_bwd(fn, (q, k, v), do))
+                        run = fwd_only(fn, (q, k, v)) if s == "fwd" else fwd_bwd(fn, (q, k, v), do)
+                        row[f"{s}_ms"] = median_ms(run)
                 except Exception as e:  # noqa: BLE001
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 rows.append(row)

@@ -1,7 +1,8 @@
 """Where the time of one forward + backward goes: CUDA time per kernel, from torch.profiler.
 
 For each case ``op:K:T`` (op in hla2, ahla, hla3; K = V; bf16, B = 4, H = 16, gamma = 0.999, the
-default configuration) two warm-up calls, then three forward + backward calls under the profiler;
+default configuration), or ``op:K:T:g`` (per-token log-gates g that require grad instead of gamma),
+two warm-up calls, then three forward + backward calls under the profiler;
 every kernel's self CUDA time is divided by three. Triton kernels appear under their function
 names (``hla3_bwd_grad_kernel``), torch's own (sums, casts, fills) under theirs.
 
@@ -30,28 +31,35 @@ CALLS = 3
 
 
 def parse_cases(text):
-    """'op:K:T,...' -> [(op, K, T)], checked."""
+    """'op:K:T[:g],...' -> [(op, K, T, gated)], checked."""
     out = []
     for item in text.split(","):
         parts = item.split(":")
+        gated = len(parts) == 4 and parts[3] == "g"
+        if gated:
+            parts = parts[:3]
         if len(parts) != 3 or parts[0] not in ("hla2", "ahla", "hla3") or not all(x.isdigit() for x in parts[1:]):
-            raise ValueError(f"--cases: expected op:K:T with op in hla2, ahla, hla3, got {item!r}")
-        out.append((parts[0], int(parts[1]), int(parts[2])))
+            raise ValueError(f"--cases: expected op:K:T or op:K:T:g with op in hla2, ahla, hla3, got {item!r}")
+        out.append((parts[0], int(parts[1]), int(parts[2]), gated))
     return out
 
 
-def profile_case(op, D, T):
-    """{kernel name: [ms per forward + backward, launches per forward + backward]}, largest first."""
+def profile_case(op, D, T, gated=False):
+    """{kernel name: [ms per forward + backward, launches per forward + backward]}, largest first.
+    gated: log-gates g [B, T, H] (``bench_hla2.make_gates``) that require grad, instead of gamma."""
     import hla_fast
-    from bench_hla2 import make_inputs
+    from bench_hla2 import make_gates, make_inputs
     from torch.profiler import ProfilerActivity, profile
 
     fn = getattr(hla_fast, op)
     q, k, v = (x.requires_grad_() for x in make_inputs(4, T, 16, D, D))
+    decay = {"g": make_gates(4, T, 16).requires_grad_()} if gated else {"gamma": 0.999}
     do = torch.randn_like(v)
 
     def step():
-        o, _ = fn(q, k, v, gamma=0.999, backend="triton")
+        for x in (q, k, v, *(x for x in decay.values() if torch.is_tensor(x))):
+            x.grad = None   # a fresh gradient each call, not an accumulation into the last one
+        o, _ = fn(q, k, v, backend="triton", **decay)
         o.backward(do)
 
     for _ in range(2):
@@ -66,8 +74,9 @@ def profile_case(op, D, T):
         t = getattr(e, "self_device_time_total", 0) or 0
         if t > 0:
             rows[e.key[:80]] = [t / CALLS / 1000, e.count // CALLS]
-    cfg = getattr(hla_fast, f"{op}_config")(4, T, 16, D, D, q.dtype, q.device)
-    return {"op": op, "K": D, "V": D, "T": T, "B": 4, "H": 16, "config": str(cfg),
+    cfg = getattr(hla_fast, f"{op}_config")(4, T, 16, D, D, q.dtype, q.device,
+                                            **({"training": True} if op == "ahla" else {}))
+    return {"op": op, "K": D, "V": D, "T": T, "B": 4, "H": 16, "gated": gated, "config": str(cfg),
             "kernels_ms": dict(sorted(rows.items(), key=lambda kv: -kv[1][0]))}
 
 
@@ -80,7 +89,8 @@ def render_markdown(res):
              "(`benchmarks/profile_kernels.py`).", ""]
     for r in res["cases"]:
         total = sum(ms for ms, _ in r["kernels_ms"].values())
-        lines += [f"## {r['op']}, K = V = {r['K']}, T = {r['T']}: {total:.3g} ms of kernels", "",
+        gates = ", gates g" if r.get("gated") else ""
+        lines += [f"## {r['op']}{gates}, K = V = {r['K']}, T = {r['T']}: {total:.3g} ms of kernels", "",
                   f"`{r['config']}`", "", "| kernel | ms | share | launches |", "|---|---|---|---|"]
         for name, (ms, n) in r["kernels_ms"].items():
             if ms >= 0.001:
@@ -106,7 +116,7 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--tag", default="h200", help="files kernels_<tag>.json and kernels_<tag>.md")
-    ap.add_argument("--cases", default=CASES, help="comma list of op:K:T")
+    ap.add_argument("--cases", default=CASES, help="comma list of op:K:T or op:K:T:g")
     ap.add_argument("--render", default=None, help="only write the markdown beside this recorded JSON")
     args = ap.parse_args()
     if args.render:
@@ -126,10 +136,10 @@ def main():
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "cases": []}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"kernels_{args.tag}")
-    for op, D, T in cases:
+    for op, D, T, gated in cases:
         t0 = time.perf_counter()
-        res["cases"].append(profile_case(op, D, T))
-        print(f"{op} K={D} T={T}: {time.perf_counter() - t0:.1f} s", flush=True)
+        res["cases"].append(profile_case(op, D, T, gated))
+        print(f"{op} K={D} T={T} gated={gated}: {time.perf_counter() - t0:.1f} s", flush=True)
         write(res, path)
         torch.cuda.empty_cache()
     print(f"wrote {path}.json and {path}.md")

@@ -30,7 +30,10 @@ def load(name):
 @pytest.mark.parametrize("script, stem", [("bench_hla3", "hla3_h200"), ("bench_ahla", "ahla_h200"),
                                           ("bench_ahla", "ahla_h200_layouts"),
                                           ("bench_ahla", "ahla_h200_first_call"),
-                                          ("profile_kernels", "kernels_h200")])
+                                          ("bench_ahla", "ahla_h200_variants"),
+                                          ("profile_kernels", "kernels_h200"),
+                                          ("profile_kernels", "kernels_ahla_h200"),
+                                          ("profile_kernels", "kernels_ahla_h200_outer_scan")])
 def test_recorded_markdown_is_rendered_from_its_json(script, stem):
     with open(os.path.join(RESULTS, stem + ".json")) as f:
         res = json.load(f)
@@ -67,15 +70,18 @@ def test_bench_hla3_refuses_an_unknown_section(tmp_path):
 
 def test_profile_kernels_cases_and_markdown():
     pk = load("profile_kernels")
-    assert pk.parse_cases("hla2:64:1024,ahla:128:8") == [("hla2", 64, 1024), ("ahla", 128, 8)]
-    for bad in ("hla4:64:1024", "hla2:64", "hla2:x:1024"):
+    assert pk.parse_cases("hla2:64:1024,ahla:128:8:g") == [("hla2", 64, 1024, False), ("ahla", 128, 8, True)]
+    for bad in ("hla4:64:1024", "hla2:64", "hla2:x:1024", "ahla:64:1024:h"):
         with pytest.raises(ValueError, match="--cases: expected op:K:T"):
             pk.parse_cases(bad)
     res = {"device": "dev", "date": "d", "versions": {"torch": "t", "triton": "tr"},
            "cases": [{"op": "hla2", "K": 64, "T": 1024, "config": "c",
-                      "kernels_ms": {"a_kernel": [3.0, 1], "b_kernel": [1.0, 2]}}]}
+                      "kernels_ms": {"a_kernel": [3.0, 1], "b_kernel": [1.0, 2]}},
+                     {"op": "ahla", "K": 64, "T": 1024, "gated": True, "config": "c",
+                      "kernels_ms": {"c_kernel": [2.0, 1]}}]}
     md = pk.render_markdown(res)
     assert "hla2, K = V = 64, T = 1024: 4 ms of kernels" in md
+    assert "ahla, gates g, K = V = 64, T = 1024: 2 ms of kernels" in md
     assert "| `a_kernel` | 3 | 75% | 1 |" in md and "| `b_kernel` | 1 | 25% | 2 |" in md
 
 

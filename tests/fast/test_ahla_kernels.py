@@ -18,6 +18,7 @@ from .helpers import brute_ahla, rand_gates, rand_qkv, rel, torch
 import hla_fast
 from hla_fast import AHLAState, ChunkConfig
 from hla_fast.ops.ahla.naive import ahla_naive_recurrent
+from hla_fast.ops.common.launch import bf16_dots
 
 chunk = importlib.import_module("hla_fast.ops.ahla.chunk")
 decode = importlib.import_module("hla_fast.ops.ahla.decode")
@@ -103,6 +104,25 @@ def test_value_blocks_in_both_passes(normalize, keys_per_block, device, poison, 
     assert rel(o_one, o) < 1e-6
 
 
+@pytest.mark.parametrize("parts", [(1, 6), (1, 2, 4), (3, 4), (4, 2, 1)])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_gradient_launches(parts, normalize, device, poison):
+    """The per-chunk gradients split over the launches ``config.grad_parts`` names (each storing
+    its gradients and its share of dL/db) equal the float64 path's, with two backward value blocks
+    (V = 70) and gates."""
+    B, T, H, K, V = 1, 37, 2, 12, 70
+    q, k, v, g = _inputs(device, B, T, H, K, V, seed=14, positive=normalize)
+    do = torch.randn(B, T, H, V, generator=torch.Generator().manual_seed(15))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g)]
+    o, _ = hla_fast.ahla(*leaves[:3], g=leaves[3], normalize=normalize, backend="triton",
+                         config=_cfg().replace(grad_parts=parts))
+    got = torch.autograd.grad((o * do.to(device)).sum(), leaves)
+    o64, want = _grads64(q, k, v, g, do, normalize=normalize)
+    assert rel(o, o64) < TOL
+    for name, a, b in zip(["dq", "dk", "dv", "dg"], got, want):
+        assert rel(a, b) < (1e-4 if name == "dg" else TOL), name
+
+
 def test_snapshots_are_the_states_at_chunk_starts(device, poison):
     """The forward's chunk-start snapshots and the final state are the token recurrence's states."""
     B, T, H, K, V = 1, 40, 2, 12, 20
@@ -169,13 +189,37 @@ def test_config_rule_and_wide_segments_refused(device):
     assert cfg.fwd_chunk == 64 and cfg.save_states
     assert (cfg.fwd_segments == cfg.bwd_segments == 1) == (device == "cpu")   # one segment off CUDA
     wide = chunk.ahla_config(2, 4096, 4, 128, 128, torch.bfloat16, torch.device(device), 64)
-    assert wide.bwd_chunk == 32 and not wide.save_states and wide.fwd_warps == 8
+    assert wide.fwd_chunk == 64 and wide.bwd_chunk == 32 and not wide.save_states and wide.bwd_warps == 8
+    assert wide.fwd_warps == (4 if bf16_dots(torch.bfloat16) else 8)   # bf16 dots: a GPU
+    train = chunk.ahla_config(2, 4096, 4, 128, 128, torch.bfloat16, torch.device(device), 64, training=True)
+    assert train.fwd_chunk == train.bwd_chunk == 32 and train.save_states and train.fwd_warps == 8
+    assert chunk.ahla_config(2, 4096, 4, 64, 64, torch.bfloat16, torch.device(device), 64, training=True) == cfg
     widest = chunk.ahla_config(1, 4096, 1, 256, 64, torch.bfloat16, torch.device(device), 64)
     assert widest.fwd_segments == widest.bwd_segments == 1 and widest.fwd_chunk == 32
     assert hla_fast.ahla_config is chunk.ahla_config
     q, k, v = rand_qkv(1, 20, 1, 130, 16, seed=17, device=device)
     with pytest.raises(ValueError, match=r"keys wider than 128 \(K=130\) in one segment: config.fwd_segments"):
         hla_fast.ahla(q, k, v, backend="triton", config=ChunkConfig(fwd_segments=2))
+
+
+def test_the_call_takes_the_training_layout_when_autograd_records(device, monkeypatch):
+    """ahla asks the rule for its training layout exactly when an input requires grad and grad
+    mode is on."""
+    seen = []
+    rule = chunk.ahla_config
+
+    def spy(*args):
+        seen.append(args[-1])
+        return rule(*args)
+
+    monkeypatch.setattr(chunk, "ahla_config", spy)
+    q, k, v, g = _inputs(device, T=20, seed=18)
+    hla_fast.ahla(q, k, v, g=g, backend="triton")
+    hla_fast.ahla(q, k, v, g=g.clone().requires_grad_(), backend="triton")
+    with torch.no_grad():
+        hla_fast.ahla(q.clone().requires_grad_(), k, v, g=g, backend="triton")
+    hla_fast.ahla(q, k, v, g=g, backend="triton", config=_cfg())   # an explicit config: no rule
+    assert seen == [False, True, False]
 
 
 # Shared memory of the per-chunk gradient kernel compiled for Hopper (sm_90), in a fresh interpreter
@@ -197,7 +241,8 @@ dev = torch.device("cuda")
 out = []
 for K, V, dtype, normalize in json.loads(sys.argv[1]):
     dtype = getattr(torch, dtype)
-    cfg = chunk.ahla_config(1, 2049, 2, K, V, dtype, dev)
+    cfg = chunk.ahla_config(1, 2049, 2, K, V, dtype, dev, training=True)
+    assert cfg.grad_parts == (7,)
     Vn = V + normalize
     BK, BV = chunk.bwd_blocks(K, Vn, dev)
     el = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
@@ -208,7 +253,7 @@ for K, V, dtype, normalize in json.loads(sys.argv[1]):
                  dp_end=dst, de_end=dst, log_gamma="fp32", T="i32")
     consts = dict(H=2, K=K, V=Vn, BT=cfg.bwd_chunk, BK=BK, BV=BV, HAS_DECAY=True, IS_BF16=launch.bf16_dots(dtype),
                   PREC=chunk.grad_precision(dtype), HAS_G=True, HAS_DB=True,
-                  KEYS_PER_BLOCK=chunk.grad_keys_per_block(launch.cdiv(Vn, BV), BK, dtype))
+                  KEYS_PER_BLOCK=chunk.grad_keys_per_block(launch.cdiv(Vn, BV), BK, dtype), PARTS=cfg.grad_parts[0])
     sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
     kernel = triton_compile(src, target=GPUTarget("cuda", 90, 32),

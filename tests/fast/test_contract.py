@@ -64,9 +64,9 @@ def _loss_grads(op, q, k, v, st0, dk, normalize, dtype, dev, backend, weights, C
         st = type(st0)(*(None if x is None else x.detach().to(dev, sd).requires_grad_() for x in st0))
     o, fin = op.op(*leaves, normalize=normalize, initial_state=st, output_final_state=True, chunk_size=C,
                    backend=backend, **kw)
-    loss = (o.double() * weights[0].to(dev)).sum()
+    loss = 0.0 if weights[0] is None else (o.double() * weights[0].to(dev)).sum()
     for x, w in zip(fin, weights[1:]):
-        if x is not None:
+        if x is not None and w is not None:   # a None weight leaves that output out of the loss
             loss = loss + (x.double() * w.to(dev)).sum()
     loss.backward()
     grads = {"dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
@@ -101,6 +101,27 @@ def test_gradients_match_float64(op, kind, normalize, init, device, poison):
             assert rel(a, b) < TOL
     for name in want:
         # dg is a reverse cumulative sum of differences of fp32 products: a few times fp32's rounding
+        assert rel(got[name], want[name]) < (1e-4 if name == "dg" else TOL), name
+
+
+@OPS
+@pytest.mark.parametrize("used", ["o", "state"])
+def test_gradients_of_a_loss_on_part_of_the_outputs(op, used, device, poison):
+    """A loss on the outputs alone or on the final state alone: the outputs left out of it get no
+    cotangent (None, not zeros) in the backward, which must still give every gradient."""
+    B, T, H, K, V = 1, 29, 2, 12, 20
+    q, k, v = rand_qkv(B, T, H, K, V, seed=24)
+    dk = decay_kwargs("g", B, T, H, seed=25)
+    st0 = rand_state(op, B, H, K, V, False, seed=26)
+    gen = torch.Generator().manual_seed(27)
+    shapes = op.state_shapes(B, H, K, V, False)
+    weights = [torch.randn(B, T, H, V, generator=gen, dtype=torch.float64) if used == "o" else None]
+    weights += [None if (s is None or used == "o") else torch.randn(s, generator=gen, dtype=torch.float64)
+                for s in shapes.values()]
+    _, _, got = _loss_grads(op, q, k, v, st0, dk, False, torch.float32, device, "triton", weights)
+    _, _, want = _loss_grads(op, q, k, v, st0, dk, False, torch.float64, "cpu", "torch", weights)
+    assert set(got) == set(want)
+    for name in want:
         assert rel(got[name], want[name]) < (1e-4 if name == "dg" else TOL), name
 
 

@@ -50,19 +50,28 @@ MIN_SEGMENT_CHUNKS = 4
 
 @functools.lru_cache(maxsize=4096)
 def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: torch.device,
-                chunk_size: int = 64) -> ChunkConfig:
-    """The default layout for one call. A first rule, taken over from HLA2's measured layouts
-    (hla_fast/README.md, "Why these layouts") and not yet measured for AHLA:
+                chunk_size: int = 64, training: bool = False) -> ChunkConfig:
+    """The default layout for one call; ``training``: the forward will be differentiated (its
+    layout then serves the backward too). From HLA2's measured layouts (hla_fast/README.md, "The
+    configuration rule"), and for keys of 65 to 128 from AHLA's own layout sweep
+    (benchmarks/results/ahla_h200_variants.md, bf16, T = 32k):
 
     * chunks of ``chunk_size`` forward (at most 32 for keys wider than 128: a [K, 64] tile of P
       and of E stays in registers); backward chunks of at most 64 rows, at most 32 for heads wider
       than 64 and 16 for keys wider than 128 (the per-chunk gradient kernel holds many [BT, BT]
       and [BT, K] tiles);
+    * keys of 65 to 128, training: the forward takes the backward's chunk of 32 and keeps its
+      chunk-start states, instead of a forward of 64 whose states the backward recomputes at 32
+      (19.1 against 21.6 ms forward + backward at K = V = 128);
     * forward value blocks of 64 columns (the backward's are BWD_BLOCK_V);
-    * 4 warps for key tiles up to 64 wide, 8 above;
-    * segments: as many as keep every program in one wave (two 4-warp programs or one 8-warp
-      program a multiprocessor), at least MIN_SEGMENT_CHUNKS chunks each; one for keys wider than
-      SEGMENT_MAX_K;
+    * 4 warps for key tiles up to 64 wide, 8 above; but a bf16 inference forward (chunks of 64)
+      at key tiles of 128 takes 4 (2.34 against 2.73 ms at K = V = 128);
+    * the per-chunk gradients in one launch (two or three launches, ``grad_parts``, spill fewer
+      registers by ``ptxas -v`` but were slower at both sizes: 3.91 and 4.15 against 3.48 ms
+      forward + backward at K = V = 64);
+    * segments: as many as keep every program in one wave (two programs a multiprocessor for key
+      tiles up to 64 wide, one for 128), at least MIN_SEGMENT_CHUNKS chunks each; one for keys
+      wider than SEGMENT_MAX_K;
     * the forward keeps its chunk-start states for the backward when both use one chunk size.
     Off CUDA (the interpreter) every walk is one segment. The result is immutable, so it is cached
     per shape.
@@ -73,18 +82,27 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     which fit when kept across the blocks (and are faster so); and fp16 inputs take fp32's dot
     precision there (:func:`grad_precision`)."""
     wide = max(K, V) > 64
-    fwd_chunk = min(chunk_size, 32) if K > 128 else chunk_size
+    BK = pow2_block(K, min_key_block(device))
     bwd_chunk = min(chunk_size, 16 if K > 128 else (32 if wide else 64))
+    if K > 128:
+        fwd_chunk = min(chunk_size, 32)
+    elif training and BK > 64:
+        fwd_chunk = bwd_chunk
+    else:
+        fwd_chunk = chunk_size
     block_v = min(64, pow2_block(V, min_value_block(device)))
-    warps = 4 if pow2_block(K, min_key_block(device)) <= 64 else 8
+    bwd_warps = 4 if BK <= 64 else 8
+    fwd_warps = 4 if BK <= 64 or (BK <= 128 and not training and bf16_dots(dtype)) else 8
     fwd_seg = bwd_seg = 1
     if K <= SEGMENT_MAX_K:
-        per_sm = 2 if warps == 4 else 1
+        # key tiles of 128 count one program a multiprocessor whatever the warps: the 4-warp forward
+        # in two segments took 4.85 ms, in one 2.34 (a summary holds a 128 x 128 fp32 tile)
+        per_sm = 2 if BK <= 64 else 1
         fwd_seg = one_wave_segments(cdiv(V, block_v) * B * H, cdiv(T, fwd_chunk), device, per_sm, MIN_SEGMENT_CHUNKS)
         bwd_bv = bwd_blocks(K, V, device)[1]
         bwd_seg = one_wave_segments(cdiv(V, bwd_bv) * B * H, cdiv(T, bwd_chunk), device, per_sm, MIN_SEGMENT_CHUNKS)
     return ChunkConfig(fwd_chunk=fwd_chunk, bwd_chunk=bwd_chunk, fwd_segments=fwd_seg, bwd_segments=bwd_seg,
-                       fwd_warps=warps, bwd_warps=warps, fwd_block_v=block_v, grad_parts=(7,),
+                       fwd_warps=fwd_warps, bwd_warps=bwd_warps, fwd_block_v=block_v, grad_parts=(7,),
                        save_states=fwd_chunk == bwd_chunk, bf16_snapshots=True)
 
 
@@ -249,13 +267,16 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
     ahla_bwd_state_kernel[(NV, nseg, BH)](
         q=q, k=k, do=do, g=g, dp_end=dp_end, de_end=de_end, de_p=de[0], de_e=de[1], dh0_p=dh0[0], dh0_e=dh0[1],
         log_gamma=lg, T=T, NS=NS, **common)
-    # -- every chunk's gradients ----------------------------------------------------------------------
+    # -- every chunk's gradients, in the launches the config names ----------------------------------
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    db = torch.empty(B, T, H, device=dev, dtype=f32) if want_db else None
-    ahla_bwd_grad_kernel[(NT, BH)](
-        q=q, k=k, v=v, do=do, g=g, dq=dq, dk=dk, dv=dv, db=db, cs_p=cs_p, cs_e=cs_e, dp_end=dp_end,
-        de_end=de_end, log_gamma=lg, T=T, KEYS_PER_BLOCK=grad_keys_per_block(NV, BK, q.dtype),
-        **dict(common, PREC=grad_precision(q.dtype)))
+    db = torch.empty(len(cfg.grad_parts), B, T, H, device=dev, dtype=f32) if want_db else None
+    for i, parts in enumerate(cfg.grad_parts):
+        ahla_bwd_grad_kernel[(NT, BH)](
+            q=q, k=k, v=v, do=do, g=g, dq=dq, dk=dk, dv=dv, db=None if db is None else db[i], cs_p=cs_p,
+            cs_e=cs_e, dp_end=dp_end, de_end=de_end, log_gamma=lg, T=T, PARTS=parts,
+            KEYS_PER_BLOCK=grad_keys_per_block(NV, BK, q.dtype), **dict(common, PREC=grad_precision(q.dtype)))
+    if db is not None:
+        db = db[0] if len(cfg.grad_parts) == 1 else db.sum(0)
     return dq, dk, dv, dh0[0], dh0[1], db
 
 
@@ -335,6 +356,9 @@ class AHLAChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg):
+        # an output the loss does not use gets None, not a materialized zero tensor (the final
+        # state's cotangents are [B, H, K, K]-sized: zeros would cost memory and a walk from zero)
+        ctx.set_materialize_grads(False)
         grads = any(ctx.needs_input_grad[:8])
         o, den, PT, ET, pT, eT, cs_p, cs_e = ahla_fwd(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg,
                                                       keep_states=grads and cfg.save_states)
@@ -358,9 +382,13 @@ def ahla_chunked(q, k, v, g, gamma, p0, e0, pn0, en0, normalize, eps, config=Non
     """AHLA on the Triton kernels.
 
     q, k: [B, T, H, K]; v: [B, T, H, V] (contiguous); g: [B, T, H] or None; p0, e0, pn0, en0:
-    fp32 state or None; config: a ChunkConfig, or None for ``ahla_config``'s rule.
+    fp32 state or None; config: a ChunkConfig, or None for ``ahla_config``'s rule (its training
+    layout when autograd records: an input requires grad).
     Returns (o [B, T, H, V], P_T, E_T, p_T or None, e_T or None)."""
     B, T, H, K = q.shape
-    cfg = config if config is not None else ahla_config(B, T, H, K, v.shape[-1], q.dtype, q.device, chunk_size)
-    _check_config(cfg, K)
-    return AHLAChunkFunction.apply(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg)
+    if config is None:
+        training = torch.is_grad_enabled() and any(
+            x is not None and x.requires_grad for x in (q, k, v, g, p0, e0, pn0, en0))
+        config = ahla_config(B, T, H, K, v.shape[-1], q.dtype, q.device, chunk_size, training)
+    _check_config(config, K)
+    return AHLAChunkFunction.apply(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, config)

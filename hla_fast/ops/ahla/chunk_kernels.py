@@ -560,9 +560,15 @@ def ahla_bwd_grad_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
     HAS_G: tl.constexpr, HAS_DB: tl.constexpr, KEYS_PER_BLOCK: tl.constexpr = False,
+    PARTS: tl.constexpr = 7,  # which gradients this launch stores: bit 1 dq, 2 dk, 4 dv
 ):
     """One program per (chunk, batch*head): every chunk is independent here. The value columns are
     walked in blocks of BV (dQ and dK summed over them, dV stored per block).
+
+    PARTS: the gradients this launch computes and stores (``ChunkConfig.grad_parts`` names the
+    launches). The compiler drops the dots only the other gradients need, so a launch with fewer
+    gradients holds fewer tiles live (fewer spilled registers) at the price of recomputing the
+    tiles the launches share (R, dR).
 
     KEYS_PER_BLOCK: form the key tiles and A, A^T (``_chunk_key_tiles``) afresh in every value
     block instead of once before the loop. Kept across the loop, the compiler holds their
@@ -570,7 +576,8 @@ def ahla_bwd_grad_kernel(
     for wide keys or fp32 tiles passes the multiprocessor's shared memory; formed per block, they
     live one block long (at the cost of two more [BT, BT] dots and the reloads per block).
 
-    db: dL/db_s = q_s.dq_s - k_s.dk_s (module docstring, gate gradient)."""
+    db: this launch's share of dL/db_s = q_s.dq_s - k_s.dk_s (module docstring, gate gradient):
+    the shares of the launches are summed on the host."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     NT = tl.cdiv(T, BT)
     off_k, off_v, off_g = _head_offsets(i_bh, T, H, K, V)
@@ -607,17 +614,28 @@ def ahla_bwd_grad_kernel(
         p_dq, p_dk, b_dv = _chunk_value_block_grads(
             b_q, b_qgt, b_k, b_kg, b_kgt, b_a, b_at, G, GT, g1, gl, b_v, b_vt, b_do, b_dot,
             b_p0, b_p0t, b_e0t, d_p, d_pt, d_e, d_et, IS_BF16, PREC)
-        b_dq += p_dq
-        b_dk += p_dk
-        tl.store(dv + off_v + t[:, None] * (H * V) + rv[None, :], b_dv.to(dv.dtype.element_ty),
-                 mask=mt[:, None] & mv[None, :])
-    # -- store dq, dk and db ------------------------------------------------------------------
+        # -- what this launch owns (the others' terms are dead code) --------------------------
+        if PARTS & 1:
+            b_dq += p_dq
+        if PARTS & 2:
+            b_dk += p_dk
+        if PARTS & 4:
+            tl.store(dv + off_v + t[:, None] * (H * V) + rv[None, :], b_dv.to(dv.dtype.element_ty),
+                     mask=mt[:, None] & mv[None, :])
+    # -- store dq, dk and this launch's share of db -------------------------------------------
     m_tk = mt[:, None] & mk[None, :]
-    tl.store(dq + off_k + t[:, None] * (H * K) + rk[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
-    tl.store(dk + off_k + t[:, None] * (H * K) + rk[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
     if HAS_DB:
         if KEYS_PER_BLOCK:
             b_q = load_rows(q + off_k, t, mt, rk, mk, H * K, IS_BF16)
             b_k = load_rows(k + off_k, t, mt, rk, mk, H * K, IS_BF16)
-        b_db = tl.sum(b_q.to(tl.float32) * b_dq, axis=1) - tl.sum(b_k.to(tl.float32) * b_dk, axis=1)
+    b_db = tl.zeros([BT], dtype=tl.float32)
+    if PARTS & 1:
+        tl.store(dq + off_k + t[:, None] * (H * K) + rk[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
+        if HAS_DB:
+            b_db += tl.sum(b_q.to(tl.float32) * b_dq, axis=1)
+    if PARTS & 2:
+        tl.store(dk + off_k + t[:, None] * (H * K) + rk[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
+        if HAS_DB:
+            b_db -= tl.sum(b_k.to(tl.float32) * b_dk, axis=1)
+    if HAS_DB:
         tl.store(db + off_g + t * H, b_db, mask=mt)

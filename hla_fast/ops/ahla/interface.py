@@ -43,9 +43,8 @@ def ahla(q, k, v, *, gamma=None, g=None, normalize=False, eps=1e-6, initial_stat
         chunk_size: rows per chunk (16, 32, 64 or 128 on the triton backend); the result does
             not depend on it.
         backend: "triton", "torch" or None (triton for CUDA tensors, torch otherwise).
-        config: a ChunkConfig for the triton backend (None: ``ahla_config``'s rule). Its
-            ``grad_parts`` is not used (the backward has one gradient launch); segments need
-            K <= 128.
+        config: a ChunkConfig for the triton backend (None: ``ahla_config``'s rule, its training
+            layout when autograd records and an input requires grad); segments need K <= 128.
         cu_seqlens: None, or int32 offsets [N + 1] of N sequences packed along T (B == 1);
             initial_state and the final state then have N rows. Runs as a padded batch of N
             (``hla_fast/ops/common/varlen.py``: exact; costs N * max length rows).

@@ -73,8 +73,12 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
       segmented only with 4-warp programs (the fold's fp32 product of two 128-wide tiles does not
       fit in shared memory);
     * gradients from two launches, dq and (dk, dv);
-    * the forward keeps its chunk-start states for the backward when both use one chunk size and
-      the backward runs one value block.
+    * the forward keeps its chunk-start states for the backward for heads wider than 64, when both
+      use one chunk size and the backward runs one value block; at K = V = 64 the backward
+      recomputes them, which was faster than storing and reading them in two runs on two machines
+      (6.12 against 6.35 ms forward + backward, ``hla2_h200.md`` and ``hla2_h200_variants_k64.md``)
+      and keeps nothing between the passes; at K = V = 128 keeping them was faster (27.4 against
+      27.8 ms, ``hla2_h200.md``).
     Off CUDA (the interpreter) every walk is one segment. K is the width of one program's key
     tile (a feature block of a wider head). The result is immutable, so it is cached per shape."""
     wide = max(K, V) > 64
@@ -90,7 +94,7 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     bwd_seg = one_wave_segments(B * H, cdiv(T, bwd_chunk), device, 2, MIN_SEGMENT_CHUNKS) if bwd_warps == 4 else 1
     return ChunkConfig(fwd_chunk=fwd_chunk, bwd_chunk=bwd_chunk, fwd_segments=fwd_seg, bwd_segments=bwd_seg,
                        fwd_warps=fwd_warps, bwd_warps=bwd_warps, fwd_block_v=block_v, grad_parts=(1, 6),
-                       save_states=fwd_chunk == bwd_chunk and V <= bwd_value_width(K), bf16_snapshots=True)
+                       save_states=wide and fwd_chunk == bwd_chunk and V <= bwd_value_width(K), bf16_snapshots=True)
 
 
 def _inner_pair(q, k, q2, k2):
@@ -279,6 +283,9 @@ class HLA2ChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, q2, k2, v, g, s0, w0, z0, gamma, normalize, eps, cfg):
+        # an output the loss does not use gets None, not a materialized zero tensor (the final
+        # state's cotangents are [B, H, K, K]-sized: zeros would cost memory and a walk from zero)
+        ctx.set_materialize_grads(False)
         V = v.shape[-1]
         grads = any(ctx.needs_input_grad[:9])
         save = (grads and cfg.save_states and not normalize and cfg.fwd_chunk == cfg.bwd_chunk

@@ -260,6 +260,9 @@ class HLA3ChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, s0, p0, f0, gamma, cfg, o_dtype):
+        # an output the loss does not use gets None, not a materialized zero tensor (the final
+        # state's cotangents are [B, H, K, K]-sized: zeros would cost memory and a walk from zero)
+        ctx.set_materialize_grads(False)
         grads = any(ctx.needs_input_grad[:7])
         save = grads and cfg.save_states and cfg.fwd_chunk == cfg.bwd_chunk
         o, sT, pT, fT, cs = hla3_fwd(q, k, v, g, gamma, s0, p0, f0, chunk=cfg.fwd_chunk, warps=cfg.fwd_warps,
