@@ -77,8 +77,11 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
       use one chunk size and the backward runs one value block; at K = V = 64 the backward
       recomputes them, which was faster than storing and reading them in two runs on two machines
       (6.12 against 6.35 ms forward + backward, ``hla2_h200.md`` and ``hla2_h200_variants_k64.md``)
-      and keeps nothing between the passes; at K = V = 128 keeping them was faster (27.4 against
-      27.8 ms, ``hla2_h200.md``).
+      and keeps nothing between the passes (the forward that stores snapshots spills four times
+      the registers of the one that does not, by ``ptxas -v``); at K = V = 128 keeping them was
+      faster (27.4 against 27.8 ms, ``hla2_h200.md``). The price is one more kernel to compile on a
+      first training call (the backward's state-only forward walk): about 1.6 s on a CPU's
+      ahead-of-time compile for sm_90, repaid by 0.23 ms a call after some 7000 calls.
     Off CUDA (the interpreter) every walk is one segment. K is the width of one program's key
     tile (a feature block of a wider head). The result is immutable, so it is cached per shape."""
     wide = max(K, V) > 64
