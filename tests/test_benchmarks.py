@@ -103,3 +103,37 @@ def test_ab_revision_imports_an_earlier_package_beside_this_one(tmp_path):
     a, _ = old.ahla(q, q, q, gamma=0.9, backend="torch")
     b, _ = hla_fast.ahla(q, q, q, gamma=0.9, backend="torch")
     assert torch.equal(a, b)
+
+
+def _has_cuda_compiler():
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.backends.nvidia import compiler  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_cuda_compiler(), reason="needs Triton's CUDA backend (compiler and ptxas)")
+def test_compile_report_compiles_the_forward_for_hopper():
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "compile_report.py"), "hla2", "1", "256",
+                          "2", "64", "64", "bfloat16", "--pass", "forward", "--json"], capture_output=True, text=True,
+                         timeout=600, cwd=ROOT, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(run.stdout)
+    assert "ChunkConfig(" in res["config"]
+    names = [r["kernel"] for r in res["kernels"]]
+    assert "hla2_fwd_kernel" in names and not any("bwd" in n for n in names)
+    for r in res["kernels"]:
+        assert 0 < r["registers"] <= 255 and 0 < r["shared_bytes"] <= 232448 and r["warps"] == 4
+        assert r["spill_stores"] >= 0 and r["spill_loads"] >= 0 and r["seconds"] > 0
+
+
+def test_compile_report_refuses_a_config_that_is_not_an_object():
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "compile_report.py"), "hla2", "1", "256",
+                          "2", "64", "64", "bfloat16", "--config", "[1, 2]"], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert run.returncode == 2 and "--config: expected a JSON object of ChunkConfig fields" in run.stderr
+

@@ -1,0 +1,218 @@
+"""What the compiler makes of an operator's kernels for Hopper, without a GPU: shared memory,
+registers, register spills and compile seconds of every launch one call makes.
+
+The operator's launchers run on ``meta`` tensors (nothing is allocated or computed) with every
+Triton kernel replaced by a recorder; each distinct launch is then compiled ahead of time for
+sm_90 (``triton.compile`` on an ``ASTSource``) and its PTX assembled by the ptxas that ships with
+Triton, with ``-v`` for the register and spill counts. The device is an H200-sized one (132
+multiprocessors), so the layouts are those the configuration rule gives on that GPU.
+
+    python benchmarks/compile_report.py hla2 4 32768 16 64 64 bfloat16
+    python benchmarks/compile_report.py ahla 4 32768 16 128 128 bfloat16 --config '{"grad_parts": [1, 6]}'
+    python benchmarks/compile_report.py ahla 4 32768 16 64 64 bfloat16 --pass forward --gates
+
+``--pass both`` (the default) records a training call: the forward (keeping chunk states when the
+configuration says so) and the backward. ``--pass forward`` records an inference forward.
+Compiles run with an empty Triton cache of their own. Compile seconds include the ptxas run for
+the counts; a first call on a GPU compiles the same kernels (on that machine's CPU).
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import importlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not the interpreter
+# an empty Triton cache, so that the compile seconds are compiles and not cache hits
+_CACHE = tempfile.mkdtemp(prefix="hla-compile-report-")
+os.environ["TRITON_CACHE_DIR"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, True)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+OPS = ("hla2", "ahla", "hla3")
+SMS = 132  # multiprocessors of an H200
+TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
+
+
+class Recorder:
+    """Stands in for a Triton kernel: ``kernel[grid](**kw)`` records (kernel, kw) instead of
+    launching."""
+
+    def __init__(self, kernel, log):
+        self.kernel, self.log = kernel, log
+
+    def __getitem__(self, grid):
+        return lambda **kw: self.log.append((self.kernel, kw))
+
+
+def _cuda_launch_rules():
+    """Make the shared launch arithmetic answer as for an H200: 132 multiprocessors, CUDA tiles."""
+    from hla_fast.ops.common import launch
+
+    cuda = torch.device("cuda")
+    launch.sm_count = lambda device: SMS
+    launch.interpreter_on = lambda: False
+    return cuda
+
+
+def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, gates=False):
+    """Run ``op``'s launchers on meta tensors; return (config, [(kernel, kwargs), ...])."""
+    cuda = _cuda_launch_rules()
+    chunk = importlib.import_module(f"hla_fast.ops.{op}.chunk")
+    for name in ("min_key_block", "min_value_block"):   # imported by name into the operator's module
+        if hasattr(chunk, name):
+            real = getattr(importlib.import_module("hla_fast.ops.common.launch"), name)
+            setattr(chunk, name, lambda device, real=real: real(cuda))
+    log = []
+    for name in dir(chunk):
+        if name.startswith(op + "_") and name.endswith("_kernel"):
+            setattr(chunk, name, Recorder(getattr(chunk, name), log))
+    import hla_fast
+
+    rule = getattr(hla_fast, f"{op}_config")
+    kw = {"training": not forward_only} if op == "ahla" else {}
+    cfg = rule(B, T, H, K, V, dtype, cuda, **kw).replace(**(changes or {}))
+    meta = torch.device("meta")
+    q = torch.empty(B, T, H, K, dtype=dtype, device=meta)
+    k = torch.empty_like(q)
+    v = torch.empty(B, T, H, V, dtype=dtype, device=meta)
+    do = torch.empty_like(v)
+    g = torch.empty(B, T, H, device=meta) if gates else None
+    gamma = None if gates else 0.999
+    save = cfg.save_states and cfg.fwd_chunk == cfg.bwd_chunk and not forward_only
+    common = dict(chunk=cfg.fwd_chunk, segments=cfg.fwd_segments, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v)
+    if op == "hla2":
+        snap = chunk._snapshot_dtype(cfg, dtype) if save else None
+        cs = chunk.fwd_launch(q, k, v, g, gamma, None, None, None, snapshots=snap, **common)[5]
+        if not forward_only:
+            chunk.bwd_launch(q, k, v, do, g, gamma, None, None, None, None, cfg, states=cs, want_db=gates)
+    elif op == "ahla":
+        snap = chunk._snapshot_dtype(cfg, dtype) if save else None
+        cs = chunk.fwd_launch(q, k, v, g, gamma, None, None, None, None, snapshots=snap, **common)[6]
+        if not forward_only:
+            chunk.bwd_launch(q, k, v, do, g, gamma, None, None, None, None, cfg, states=cs, want_db=gates)
+    else:
+        cs = chunk.hla3_fwd(q, k, v, g, gamma, None, None, None, snapshots=save, **common)[4]
+        if not forward_only:
+            chunk.hla3_bwd(q, k, v, do, g, gamma, None, None, None, None, None, None, cfg,
+                           states=cs if save else None, want_db=gates)
+    return cfg, log
+
+
+def _ptxas():
+    """The ptxas Triton itself uses for sm_90 (``get_ptxas``; its signature differs between
+    Triton versions)."""
+    from triton.backends.nvidia import compiler
+
+    try:
+        tool = compiler.get_ptxas(90)
+    except TypeError:
+        tool = compiler.get_ptxas()
+    return tool.path
+
+
+def compile_launch(kernel, kw, ptxas):
+    """Compile one recorded launch for sm_90; its shared bytes, registers, spill bytes and seconds."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    args = dict(kw)
+    options = dict(num_warps=args.pop("num_warps", 4), num_stages=args.pop("num_stages", 3))
+    for name, rule in kernel.values.items():   # the triton.heuristics of the kernel
+        args[name] = rule(args)
+    fn = kernel.fn
+    sig, consts = {}, {}
+    for i, p in enumerate(fn.params):
+        x = args.get(p.name, p.default)
+        if p.is_constexpr or x is None:
+            sig[p.name] = "constexpr"
+            consts[(i,)] = x
+        elif torch.is_tensor(x):
+            sig[p.name] = TYPES[x.dtype]
+        else:
+            sig[p.name] = "fp32" if isinstance(x, float) else "i32"
+    t0 = time.perf_counter()
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        run = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.path.join(tmp, "kernel.cubin")],
+                             capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    if run.returncode != 0:
+        raise RuntimeError(f"ptxas failed on {fn.__name__}: {run.stderr[-2000:]}")
+    regs = re.search(r"Used (\d+) registers", run.stderr)
+    spill = {kind: int(n) for n, kind in re.findall(r"(\d+) bytes spill (stores|loads)", run.stderr)}
+    return {"kernel": fn.__name__, "warps": options["num_warps"], "shared_bytes": compiled.metadata.shared,
+            "registers": int(regs.group(1)) if regs else None, "spill_stores": spill.get("stores", 0),
+            "spill_loads": spill.get("loads", 0), "seconds": round(seconds, 2)}
+
+
+def report(op, B, T, H, K, V, dtype, changes=None, forward_only=False, gates=False, only=None):
+    """Compile every distinct launch of one call; returns {"config": str, "kernels": [row, ...]}."""
+    cfg, log = record_launches(op, B, T, H, K, V, dtype, changes, forward_only, gates)
+    ptxas = _ptxas()
+    rows, seen = [], set()
+    for kernel, kw in log:
+        name = kernel.fn.__name__
+        if only and only not in name:
+            continue
+        key = (name, tuple(sorted((a, str(b.dtype) if torch.is_tensor(b) else repr(b)) for a, b in kw.items())))
+        if key in seen:
+            continue
+        seen.add(key)
+        rows.append(compile_launch(kernel, kw, ptxas))
+    return {"config": str(cfg), "kernels": rows}
+
+
+def render(res):
+    lines = [f"`{res['config']}`", "", "| kernel | warps | shared KB | registers | spill stores B | spill loads B | compile s |",
+             "|---|---|---|---|---|---|---|"]
+    for r in res["kernels"]:
+        lines.append(f"| `{r['kernel']}` | {r['warps']} | {r['shared_bytes'] / 1024:.1f} | {r['registers']} | "
+                     f"{r['spill_stores']} | {r['spill_loads']} | {r['seconds']} |")
+    total = sum(r["seconds"] for r in res["kernels"])
+    n = len(res["kernels"])
+    lines += ["", f"{n} kernel{'' if n == 1 else 's'}, {total:.1f} s of compiles."]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("op", choices=OPS)
+    for name in ("B", "T", "H", "K", "V"):
+        ap.add_argument(name, type=int)
+    ap.add_argument("dtype", choices=("bfloat16", "float32", "float16"))
+    ap.add_argument("--config", default="{}", help="JSON of ChunkConfig fields to change from the rule's")
+    ap.add_argument("--pass", dest="which", choices=("both", "forward"), default="both")
+    ap.add_argument("--gates", action="store_true", help="log-gates g (that require grad) instead of gamma")
+    ap.add_argument("--only", default=None, help="compile only kernels whose name contains this")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    args = ap.parse_args(argv)
+    try:
+        changes = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(args.config).items()}
+    except (json.JSONDecodeError, AttributeError) as e:
+        ap.error(f"--config: expected a JSON object of ChunkConfig fields, got {args.config!r} ({e})")
+    res = report(args.op, args.B, args.T, args.H, args.K, args.V, getattr(torch, args.dtype), changes,
+                 args.which == "forward", args.gates, args.only)
+    print(json.dumps(res, indent=1) if args.json else render(res))
+
+
+if __name__ == "__main__":
+    main()
