@@ -30,11 +30,6 @@ import sys
 import tempfile
 import time
 
-os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not the interpreter
-# an empty Triton cache, so that the compile seconds are compiles and not cache hits
-_CACHE = tempfile.mkdtemp(prefix="hla-compile-report-")
-os.environ["TRITON_CACHE_DIR"] = _CACHE
-atexit.register(shutil.rmtree, _CACHE, True)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -124,8 +119,21 @@ def _ptxas():
     return tool.path
 
 
-def compile_launch(kernel, kw, ptxas):
-    """Compile one recorded launch for sm_90; its shared bytes, registers, spill bytes and seconds."""
+def has_cuda_compiler() -> bool:
+    """Whether this Triton can compile for a CUDA target without a GPU (its CUDA backend)."""
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.backends.nvidia import compiler  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def hopper_compile(kernel, kw):
+    """Compile the launch ``kernel[grid](**kw)`` (a recorded one) for sm_90: the kernel's
+    ``triton.heuristics`` applied, tensors typed by dtype, None and constexprs specialized.
+    Returns (the CompiledKernel, num_warps)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -144,9 +152,16 @@ def compile_launch(kernel, kw, ptxas):
             sig[p.name] = TYPES[x.dtype]
         else:
             sig[p.name] = "fp32" if isinstance(x, float) else "i32"
-    t0 = time.perf_counter()
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
                               target=GPUTarget("cuda", 90, 32), options=options)
+    return compiled, options["num_warps"]
+
+
+def compile_launch(kernel, kw, ptxas):
+    """Compile one recorded launch for sm_90; its shared bytes, registers, spill bytes and seconds."""
+    t0 = time.perf_counter()
+    compiled, warps = hopper_compile(kernel, kw)
+    fn = kernel.fn
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "kernel.ptx")
         with open(ptx, "w") as f:
@@ -158,7 +173,7 @@ def compile_launch(kernel, kw, ptxas):
         raise RuntimeError(f"ptxas failed on {fn.__name__}: {run.stderr[-2000:]}")
     regs = re.search(r"Used (\d+) registers", run.stderr)
     spill = {kind: int(n) for n, kind in re.findall(r"(\d+) bytes spill (stores|loads)", run.stderr)}
-    return {"kernel": fn.__name__, "warps": options["num_warps"], "shared_bytes": compiled.metadata.shared,
+    return {"kernel": fn.__name__, "warps": warps, "shared_bytes": compiled.metadata.shared,
             "registers": int(regs.group(1)) if regs else None, "spill_stores": spill.get("stores", 0),
             "spill_loads": spill.get("loads", 0), "seconds": round(seconds, 2)}
 
@@ -205,6 +220,12 @@ def main(argv=None):
     ap.add_argument("--only", default=None, help="compile only kernels whose name contains this")
     ap.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     args = ap.parse_args(argv)
+    # compile for the GPU, not the interpreter (read when the kernels' modules are imported), into
+    # an empty Triton cache of this run's own, so that compile seconds are compiles, not cache hits
+    os.environ.pop("TRITON_INTERPRET", None)
+    cache = tempfile.mkdtemp(prefix="hla-compile-report-")
+    os.environ["TRITON_CACHE_DIR"] = cache
+    atexit.register(shutil.rmtree, cache, True)
     try:
         changes = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(args.config).items()}
     except (json.JSONDecodeError, AttributeError) as e:

@@ -105,17 +105,7 @@ def test_ab_revision_imports_an_earlier_package_beside_this_one(tmp_path):
     assert torch.equal(a, b)
 
 
-def _has_cuda_compiler():
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.backends.nvidia import compiler  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _has_cuda_compiler(), reason="needs Triton's CUDA backend (compiler and ptxas)")
+@pytest.mark.skipif(not load("compile_report").has_cuda_compiler(), reason="needs Triton's CUDA backend (compiler and ptxas)")
 def test_compile_report_compiles_the_forward_for_hopper():
     env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "compile_report.py"), "hla2", "1", "256",

@@ -1,6 +1,8 @@
 """Shared helpers of the hla_fast tests: random inputs, float64 truth, poisoned outputs, and the
 list of operators the contract suite (test_contract.py) checks."""
 import importlib
+import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,6 +18,23 @@ import hla_fast  # noqa: E402
 from hla_fast.ops.ahla.naive import ahla_naive_quadratic  # noqa: E402
 from hla_fast.ops.hla2.naive import hla2_naive_quadratic  # noqa: E402
 from hla_fast.ops.hla3.naive import hla3_naive_quadratic  # noqa: E402
+
+
+# benchmarks/: compile_report.py's ahead-of-time compile for Hopper serves the shared-memory tests
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
+
+
+def benchmark_module(name):
+    """benchmarks/<name>.py, imported from its path (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(BENCHMARKS, name + ".py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def has_cuda_compiler() -> bool:
+    """Whether Triton can compile for sm_90 here without a GPU (benchmarks/compile_report.py)."""
+    return benchmark_module("compile_report").has_cuda_compiler()
 
 
 def rand_qkv(B, T, H, K, V, *, seed=0, scale=0.5, positive=False, dtype=None, device="cpu"):

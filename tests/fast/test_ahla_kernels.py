@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from .conftest import DEVICE, HAS_CUDA
-from .helpers import brute_ahla, rand_gates, rand_qkv, rel, torch
+from .helpers import brute_ahla, has_cuda_compiler, rand_gates, rand_qkv, rel, torch
 
 import hla_fast
 from hla_fast import AHLAState, ChunkConfig
@@ -266,17 +266,7 @@ print(json.dumps(out))
 HOPPER_SHARED = 232448
 
 
-def _hopper_compiler():
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _hopper_compiler(), reason="needs triton.compiler.ASTSource, GPUTarget and the CUDA backend")
+@pytest.mark.skipif(not has_cuda_compiler(), reason="needs triton.compiler.ASTSource, GPUTarget and the CUDA backend")
 def test_grad_kernel_fits_hopper_shared_memory():
     """The per-chunk gradient kernel, in the layouts the rule gives for shapes that once took more
     shared memory than an H200 has (294 to 332 KB): fp32 with two value blocks, K = 256 in fp32

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from .helpers import rand_gates, rand_qkv, rel, torch
+from .helpers import BENCHMARKS, has_cuda_compiler, rand_gates, rand_qkv, rel, torch
 
 import hla_fast
 from hla_fast import ChunkConfig
@@ -347,9 +347,8 @@ def test_long_sequences_on_the_gpu(dtype, D, one_segment):
 _SHARED = r"""
 import json, sys
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+sys.path.insert(0, sys.argv[2])   # benchmarks/
+from compile_report import Recorder, hopper_compile
 from hla_fast.ops.common import launch
 cuda = torch.device("cuda")
 launch.sm_count = lambda device: 132
@@ -358,41 +357,9 @@ from hla_fast.ops.hla3 import chunk
 chunk.min_key_block = lambda device: launch.min_key_block(cuda)
 chunk.min_value_block = lambda device: launch.min_value_block(cuda)
 log = []
-
-
-class Recorder:
-    def __init__(self, kernel):
-        self.kernel = kernel
-
-    def __getitem__(self, grid):
-        return lambda **kw: log.append((self.kernel, kw))
-
-
 for name in dir(chunk):
     if name.startswith("hla3_") and name.endswith("_kernel"):
-        setattr(chunk, name, Recorder(getattr(chunk, name)))
-TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
-
-
-def shared_bytes(kernel, kw):
-    args = dict(kw)
-    options = dict(num_warps=args.pop("num_warps", 4), num_stages=args.pop("num_stages", 3))
-    for name, rule in kernel.values.items():
-        args[name] = rule(args)
-    fn = kernel.fn
-    sig, consts = {}, {}
-    for i, p in enumerate(fn.params):
-        x = args.get(p.name, p.default)
-        if p.is_constexpr or x is None:
-            sig[p.name] = "constexpr"
-            consts[(i,)] = x
-        elif torch.is_tensor(x):
-            sig[p.name] = TYPES[x.dtype]
-        else:
-            sig[p.name] = "fp32" if isinstance(x, float) else "i32"
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared
-
+        setattr(chunk, name, Recorder(getattr(chunk, name), log))
 
 out = []
 for case, (B, T, H, K, V, dtype, kernels, segmented) in enumerate(json.loads(sys.argv[1])):
@@ -412,7 +379,7 @@ for case, (B, T, H, K, V, dtype, kernels, segmented) in enumerate(json.loads(sys
         key = (name, tuple(sorted((n, str(getattr(x, "dtype", x))) for n, x in kw.items())))
         if name in kernels and key not in seen:
             seen.add(key)
-            out.append([name, shared_bytes(kernel, kw), dtype.itemsize, kw.get("IS_BF16"), case])
+            out.append([name, hopper_compile(kernel, kw)[0].metadata.shared, dtype.itemsize, kw.get("IS_BF16"), case])
 print(json.dumps(out))
 """
 
@@ -420,17 +387,7 @@ print(json.dumps(out))
 HOPPER_SHARED = 232448
 
 
-def _hopper_compiler():
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _hopper_compiler(), reason="needs triton.compiler.ASTSource, GPUTarget and the CUDA backend")
+@pytest.mark.skipif(not has_cuda_compiler(), reason="needs triton.compiler.ASTSource, GPUTarget and the CUDA backend")
 def test_rule_kernels_fit_hopper_shared_memory():
     """The kernels the rule launches for test_long_sequences_on_the_gpu's shapes that once took
     more shared memory than an H200 has: the fp32 gradient program at K = V = 64 on chunks of 64
@@ -445,7 +402,7 @@ def test_rule_kernels_fit_hopper_shared_memory():
              (2, 4099, 4, 128, 128, "float32", folds, True),
              (4, 4099, 16, 128, 128, "bfloat16", ["hla3_bwd_state_kernel"], False)]
     env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _SHARED, json.dumps(cases)], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-c", _SHARED, json.dumps(cases), BENCHMARKS], capture_output=True, text=True,
                          env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     shared = json.loads(run.stdout.strip().splitlines()[-1])
