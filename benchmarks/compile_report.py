@@ -207,6 +207,17 @@ def render(res):
     return "\n".join(lines)
 
 
+def render_record(res):
+    """The markdown of a record written by ``--out``: what was compiled, where, then the table."""
+    v = res["versions"]
+    return "\n".join([f"# Kernels compiled for sm_90: `compile_report.py {res['call']}`", "",
+                      f"Date {res['date']}; torch {v['torch']}, triton {v['triton']}, python {v['python']}; "
+                      f"compiled on a CPU ({res['cpu']}), no GPU.", "", render(res)])
+
+
+render_markdown = render_record   # the name the other benchmark scripts give their record renderer
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -219,6 +230,7 @@ def main(argv=None):
     ap.add_argument("--gates", action="store_true", help="log-gates g (that require grad) instead of gamma")
     ap.add_argument("--only", default=None, help="compile only kernels whose name contains this")
     ap.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    ap.add_argument("--out", default=None, help="also write OUT.json and OUT.md (with date, versions, CPU)")
     args = ap.parse_args(argv)
     # compile for the GPU, not the interpreter (read when the kernels' modules are imported), into
     # an empty Triton cache of this run's own, so that compile seconds are compiles, not cache hits
@@ -232,6 +244,19 @@ def main(argv=None):
         ap.error(f"--config: expected a JSON object of ChunkConfig fields, got {args.config!r} ({e})")
     res = report(args.op, args.B, args.T, args.H, args.K, args.V, getattr(torch, args.dtype), changes,
                  args.which == "forward", args.gates, args.only)
+    if args.out:
+        import datetime
+        import platform
+
+        res = {"call": " ".join(sys.argv[1:]) if argv is None else " ".join(argv),
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "versions": {"torch": torch.__version__, "triton": triton.__version__,
+                            "python": platform.python_version()},
+               "cpu": f"{platform.machine()}, {os.cpu_count()} cores", **res}
+        with open(args.out + ".json", "w") as f:
+            json.dump(res, f, indent=1)
+        with open(args.out + ".md", "w") as f:
+            f.write(render_record(res) + "\n")
     print(json.dumps(res, indent=1) if args.json else render(res))
 
 
