@@ -53,28 +53,31 @@ class Recorder:
         return lambda **kw: self.log.append((self.kernel, kw))
 
 
-def _cuda_launch_rules():
-    """Make the shared launch arithmetic answer as for an H200: 132 multiprocessors, CUDA tiles."""
+def hopper_launchers(op):
+    """Make ``op``'s launchers plan for an H200 and record instead of launching: the shared launch
+    arithmetic answers for 132 multiprocessors and CUDA tiles, and every Triton kernel of the
+    operator's ``chunk`` module becomes a :class:`Recorder`. Returns (that module, the CUDA device
+    the rules are asked about, the list the launches are appended to)."""
     from hla_fast.ops.common import launch
 
     cuda = torch.device("cuda")
     launch.sm_count = lambda device: SMS
     launch.interpreter_on = lambda: False
-    return cuda
-
-
-def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, gates=False):
-    """Run ``op``'s launchers on meta tensors; return (config, [(kernel, kwargs), ...])."""
-    cuda = _cuda_launch_rules()
     chunk = importlib.import_module(f"hla_fast.ops.{op}.chunk")
     for name in ("min_key_block", "min_value_block"):   # imported by name into the operator's module
         if hasattr(chunk, name):
-            real = getattr(importlib.import_module("hla_fast.ops.common.launch"), name)
+            real = getattr(launch, name)
             setattr(chunk, name, lambda device, real=real: real(cuda))
     log = []
     for name in dir(chunk):
         if name.startswith(op + "_") and name.endswith("_kernel"):
             setattr(chunk, name, Recorder(getattr(chunk, name), log))
+    return chunk, cuda, log
+
+
+def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, gates=False):
+    """Run ``op``'s launchers on meta tensors; return (config, [(kernel, kwargs), ...])."""
+    chunk, cuda, log = hopper_launchers(op)
     import hla_fast
 
     rule = getattr(hla_fast, f"{op}_config")

@@ -1,5 +1,6 @@
 """Shared helpers of the hla_fast tests: random inputs, float64 truth, poisoned outputs, and the
 list of operators the contract suite (test_contract.py) checks."""
+import functools
 import importlib
 import importlib.util
 import os
@@ -32,6 +33,7 @@ def benchmark_module(name):
     return mod
 
 
+@functools.lru_cache(maxsize=None)
 def has_cuda_compiler() -> bool:
     """Whether Triton can compile for sm_90 here without a GPU (benchmarks/compile_report.py)."""
     return benchmark_module("compile_report").has_cuda_compiler()

@@ -348,18 +348,8 @@ _SHARED = r"""
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[2])   # benchmarks/
-from compile_report import Recorder, hopper_compile
-from hla_fast.ops.common import launch
-cuda = torch.device("cuda")
-launch.sm_count = lambda device: 132
-launch.interpreter_on = lambda: False
-from hla_fast.ops.hla3 import chunk
-chunk.min_key_block = lambda device: launch.min_key_block(cuda)
-chunk.min_value_block = lambda device: launch.min_value_block(cuda)
-log = []
-for name in dir(chunk):
-    if name.startswith("hla3_") and name.endswith("_kernel"):
-        setattr(chunk, name, Recorder(getattr(chunk, name), log))
+from compile_report import hopper_compile, hopper_launchers
+chunk, cuda, log = hopper_launchers("hla3")
 
 out = []
 for case, (B, T, H, K, V, dtype, kernels, segmented) in enumerate(json.loads(sys.argv[1])):
