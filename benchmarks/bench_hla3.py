@@ -111,9 +111,10 @@ def time_pair(row, name, fn, inputs, do):
     free()
 
 
-def variant_changes(base):
-    """Layouts timed against the default ``base`` (a ChunkConfig): the segment counts of each walk
-    around the rule's, the other warp count, and the other chunk size where it fits."""
+def variant_changes(base, K):
+    """Layouts timed against the default ``base`` (a ChunkConfig) for K-wide keys: the segment
+    counts of each walk around the rule's, the other warp count, and both passes on the other
+    chunk sizes that fit (chunks of 64 only up to K = 64: wider, the tiles overflow shared memory)."""
     out = {"default": {}}
     for field in ("fwd_segments", "bwd_segments"):
         n = getattr(base, field)
@@ -122,8 +123,9 @@ def variant_changes(base):
     for field in ("fwd_warps", "bwd_warps"):
         other = 8 if getattr(base, field) == 4 else 4
         out[f"{field}={other}"] = {field: other}
-    if base.fwd_chunk == 64:
-        out["fwd_chunk=32"] = {"fwd_chunk": 32, "save_states": base.bwd_chunk == 32}
+    for c in (16, 32, 64):
+        if c != base.fwd_chunk and (c < 64 or K <= 64):
+            out[f"chunks={c}"] = {"fwd_chunk": c, "bwd_chunk": c, "save_states": True}
     return out
 
 
@@ -381,7 +383,7 @@ def main():
             q, k, v = make_inputs(B, T, H, D, D)
             do = torch.randn_like(v)
             base = hla_fast.hla3_config(B, T, H, D, D, q.dtype, q.device)
-            for name, changes in variant_changes(base).items():
+            for name, changes in variant_changes(base, D).items():
                 row = {"T": T, "K": D, "variant": name, "changes": changes}
                 try:
                     cfg = base.replace(**changes)

@@ -87,6 +87,8 @@ def render_markdown(res):
              + (f"; code {res['code']}" if res.get("code") else "") + ". bf16, B = 4, H = 16, gamma = 0.999, "
              f"the default configuration; self CUDA time per call, the mean of {CALLS} profiled calls "
              "(`benchmarks/profile_kernels.py`).", ""]
+    if res.get("notes"):
+        lines += [f"- {n}" for n in res["notes"]] + [""]
     for r in res["cases"]:
         total = sum(ms for ms, _ in r["kernels_ms"].values())
         gates = ", gates g" if r.get("gated") else ""

@@ -34,6 +34,7 @@ def load(name):
                                           ("profile_kernels", "kernels_h200"),
                                           ("profile_kernels", "kernels_ahla_h200"),
                                           ("profile_kernels", "kernels_ahla_h200_outer_scan"),
+                                          ("profile_kernels", "kernels_hla3_h200"),
                                           ("compile_report", "compile_hla2_fp32_k64_cpu"),
                                           ("compile_report", "compile_hla2_bf16_k64_cpu")])
 def test_recorded_markdown_is_rendered_from_its_json(script, stem):
@@ -55,7 +56,7 @@ def test_hla3_layout_sweep_runs_on_the_interpreter(tmp_path):
     names = [r["variant"] for r in rows]
     # the sweep runs at the largest T, starting from the rule's layout
     assert names[0] == "default" and {r["T"] for r in rows} == {64}
-    assert {"fwd_segments=2", "bwd_segments=2", "fwd_warps=8", "bwd_warps=8", "fwd_chunk=32"} <= set(names)
+    assert {"fwd_segments=2", "bwd_segments=2", "fwd_warps=8", "bwd_warps=8", "chunks=16", "chunks=64"} <= set(names)
     for r in rows:
         assert "hla3_error" not in r, r
         assert r["hla3_fwd_ms"] > 0 and r["hla3_fwdbwd_ms"] > 0
@@ -82,6 +83,8 @@ def test_profile_kernels_cases_and_markdown():
                      {"op": "ahla", "K": 64, "T": 1024, "gated": True, "config": "c",
                       "kernels_ms": {"c_kernel": [2.0, 1]}}]}
     md = pk.render_markdown(res)
+    assert "- " not in md.split("## ")[0]
+    assert "- two runs\n" in pk.render_markdown(dict(res, notes=["two runs"]))
     assert "hla2, K = V = 64, T = 1024: 4 ms of kernels" in md
     assert "ahla, gates g, K = V = 64, T = 1024: 2 ms of kernels" in md
     assert "| `a_kernel` | 3 | 75% | 1 |" in md and "| `b_kernel` | 1 | 25% | 2 |" in md

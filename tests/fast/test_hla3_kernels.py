@@ -295,13 +295,39 @@ def test_wide_keys_are_refused_on_triton_only(device):
 def test_config_rule():
     cpu = torch.device("cpu")
     c = hla_fast.hla3_config(4, 32768, 16, 64, 64, torch.bfloat16, cpu)
-    assert (c.fwd_chunk, c.bwd_chunk, c.fwd_block_v, c.fwd_warps, c.save_states) == (64, 64, 64, 4, True)
+    assert (c.fwd_chunk, c.bwd_chunk, c.fwd_block_v, c.fwd_warps, c.save_states) == (32, 32, 64, 4, True)
     c = hla_fast.hla3_config(4, 32768, 16, 128, 128, torch.bfloat16, cpu)
     assert (c.fwd_chunk, c.bwd_chunk, c.fwd_block_v, c.fwd_warps, c.save_states) == (32, 32, 64, 8, True)
     c = hla_fast.hla3_config(1, 100, 1, 16, 20, torch.float32, cpu, chunk_size=16)
     assert (c.fwd_chunk, c.bwd_chunk, c.fwd_block_v) == (16, 16, 32)
     with pytest.raises(TypeError, match="config must be a ChunkConfig"):
         hla_fast.hla3(*rand_qkv(1, 4, 1, 8, 8), backend="torch", config={"fwd_chunk": 16})
+
+
+def test_the_crashing_gradient_layout_is_refused():
+    """bf16, K <= 64, backward chunks of 32 on 8 warps crashed the gradient kernel on an H200: a
+    config asking for it is refused by name; its neighbours (4 warps, chunks of 64, K = 128,
+    fp32, the interpreter) are not."""
+    from hla_fast.ops.hla3.chunk import check_grad_layout
+
+    cuda, cpu, bf16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
+    cfg = hla_fast.hla3_config(4, 4096, 16, 64, 64, bf16, cpu)  # the rule's chunks and warps (4 on CUDA too)
+    assert (cfg.bwd_chunk, cfg.bwd_warps) == (32, 4)
+    for K in (16, 64):
+        with pytest.raises(ValueError, match=r"config.bwd_warps=8 with bf16 inputs, K=\d+ <= 64 and bwd_chunk=32"):
+            check_grad_layout(cfg.replace(bwd_warps=8), K, bf16, cuda)
+    for c, K, dtype, dev in [(cfg, 64, bf16, cuda), (cfg.replace(bwd_warps=8, bwd_chunk=64), 64, bf16, cuda),
+                             (cfg.replace(bwd_warps=8), 128, bf16, cuda), (cfg.replace(bwd_warps=8), 64, torch.float32, cuda),
+                             (cfg.replace(bwd_warps=8), 64, bf16, cpu)]:
+        assert check_grad_layout(c, K, dtype, dev) is None
+    # through the call: refused when autograd records, accepted for inference (CPU tensors pass,
+    # so the call itself is checked on the GPU tests' device only)
+    if torch.cuda.is_available():
+        q, k, v = (x.cuda().to(bf16) for x in rand_qkv(1, 64, 1, 64, 64, seed=3))
+        with torch.no_grad():
+            hla_fast.hla3(q, k, v, config=cfg.replace(bwd_warps=8))
+        with pytest.raises(ValueError, match="bwd_warps=8"):
+            hla_fast.hla3(q.requires_grad_(), k, v, config=cfg.replace(bwd_warps=8))
 
 
 @pytest.mark.gpu
@@ -313,7 +339,8 @@ def test_long_sequences_on_the_gpu(dtype, D, one_segment):
     chosen by occupancy), and with both walks in one segment (the rule's layout once B * H fills
     the GPU; bf16 operands in that walk at K = 128 once gave non-finite dk there): outputs, final state and
     gradients against the float64 torch path on the same rounded inputs. fp32: tf32x3 products
-    (fp32's level) summed over thousands of tokens; bf16: bf16 operands in every product."""
+    (fp32's level) summed over thousands of tokens; bf16: bf16 operands in every product but
+    the backward walk's at K = 128 (fp32 operands, tf32 products)."""
     B, T, H = 2, 4099, 4
     gen = torch.Generator().manual_seed(31)
     q, k = (torch.nn.functional.normalize(torch.randn(B, T, H, D, generator=gen), dim=-1) for _ in range(2))

@@ -49,51 +49,49 @@ MIN_SEGMENT_CHUNKS = 4
 # widest key tile the segment folds hold whole; wider keys fold F by row blocks of this many rows
 # (and no fold pipelines its loads): the [K, K] fp32 operands must fit Hopper's 227 KB of shared memory
 FOLD_TILE = 64
-# The wide-key bf16 walk. Why bf16 inputs with keys wider than FOLD_TILE walk the backward (hla3_bwd_state_kernel) with
-# fp32 operands: with bf16 operands at K = V = 128 (chunks of 32, 8 warps) that kernel stopped
-# with an illegal memory access on an H200 (Triton 3.6) whenever the backward was segmented,
-# both as the segment summary and as the walk after the fold; unsegmented it ran but returned
-# non-finite values in almost every element of dk (dq and dv within bf16's error), at B = 4,
-# H = 16, T = 2048 and 8192. The same launches with fp32 inputs and every launch under the
-# interpreter run correctly, and the kernel's addressing does not depend on the dtype. The fp32
-# variant (tf32x3 products, at fp32's level) is the one
-# tests/fast/test_hla3_kernels.py::test_long_sequences_on_the_gpu checks at K = 128, segmented and
-# in one segment. It costs time: it spills (a 10-25 KB stack frame a thread by ptxas -v) and took
-# 142 of 175 ms of a bf16 forward + backward at K = V = 128, T = 8192, B = 4, H = 16
-# (benchmarks/results/kernels_h200.md).
+# The wide-key bf16 walk. Why bf16 inputs with keys wider than FOLD_TILE walk the backward
+# (hla3_bwd_state_kernel) on fp32 operands: with bf16 operands at K = V = 128 (chunks of 32, 8 warps)
+# that kernel stopped with an illegal memory access on an H200 (Triton 3.6) whenever the backward
+# was segmented, both as the segment summary and as the walk after the fold; unsegmented it ran but
+# returned non-finite values in almost every element of dk (dq and dv within bf16's error), at
+# B = 4, H = 16, T = 2048 and 8192. The same launches with fp32 inputs and every launch under the
+# interpreter run correctly, and the kernel's addressing does not depend on the dtype.
+# The fp32 operands are multiplied in plain tf32 (11 significant bits, against the 8 of the bf16
+# inputs), not in fp32's tf32x3, which keeps a split copy of every operand: the tf32x3 walk spilled
+# about six times as much (ptxas -v) and made the forward + backward at K = V = 128 about three times
+# slower, with gradients that differ from the tf32 walk's at the level of the bf16 inputs
+# (benchmarks/results/hla3_h200_ab_tf32_walk.json; hla_fast/README.md, HLA3's speed notes).
+# tests/fast/test_hla3_kernels.py::test_long_sequences_on_the_gpu checks this walk at K = 128,
+# segmented and in one segment.
 
 
 @functools.lru_cache(maxsize=4096)
 def hla3_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: torch.device,
                 chunk_size: int = 64) -> ChunkConfig:
-    """The default layout for one call (a first rule; at K = V = 64, T = 32k its segments, warps
-    and chunks were the fastest forward + backward of the layouts in benchmarks/results/hla3_h200.md):
+    """The default layout for one call (a rule measured at T = 32k, B = 4, H = 16 on an H200:
+    benchmarks/results/hla3_h200_variants.md for K = V = 64, hla3_h200.md for the sweep):
 
-    * chunks of ``chunk_size`` in the forward and at most 64 in the backward (the per-chunk
-      gradient program holds about twenty [BT, BT] and [BT, BK] tiles); heads wider than 64, and
-      inputs other than bf16 (their dot operands are fp32, twice the bytes; fp32's tf32x3 products
-      also keep a split copy of each): chunks of at most 32 in both passes (a forward program also
-      holds S, a [K, K] fp32 tile). What bounds the tiles is shared memory, 227 KB a program on
-      Hopper: the fp32 gradient program on chunks of 64 at K = 64 asks for 288 KB (64 KB on
-      chunks of 32), while bf16 at K = V = 64 fits on chunks of 64 (136 KB);
+    * chunks of at most 32 in both passes, the forward keeping its chunk-start states for the
+      backward. At K = V = 64 in bf16 chunks of 32 beat 64 and 16 in the forward and in forward +
+      backward (the layouts table; hla_fast/README.md quotes it): the per-chunk gradient program
+      holds about twenty [BT, BT] and [BT, BK] tiles and spills a quarter as much on chunks of 32
+      (by ptxas -v, benchmarks/compile_report.py). Wider heads and inputs other than bf16 (their dot
+      operands are fp32) need chunks of 32 anyway: shared memory, 227 KB a program on Hopper, bounds
+      the tiles (the fp32 gradient program on chunks of 64 at K = 64 asks for 288 KB). The states
+      kept cost ceil(T / 32) * (K^2 + 2 K V) fp32 numbers a head, twice what chunks of 64 keep;
     * value blocks of at most 64 columns in both passes;
     * 4 warps for tiles up to 64 x 64, 8 above;
     * segments of the forward and of the backward walk: as many as keep every program in one
       wave (two 4-warp programs or one 8-warp program a multiprocessor), at least
-      MIN_SEGMENT_CHUNKS chunks each (1 off CUDA);
-    * the forward keeps its chunk-start states for the backward when both use one chunk size.
+      MIN_SEGMENT_CHUNKS chunks each (1 off CUDA).
     The result is immutable, so it is cached."""
-    wide = max(K, V) > 64 or dtype != torch.bfloat16
-    fwd_chunk = min(chunk_size, 32) if wide else chunk_size
-    bwd_chunk = min(chunk_size, 32 if wide else 64)
+    fwd_chunk = bwd_chunk = min(chunk_size, 32)
     block_v = min(64, pow2_block(V, min_value_block(device)))
     warps = 4 if pow2_block(K, min_key_block(device)) <= 64 and block_v <= 64 else 8
     per_sm = 2 if warps == 4 else 1
-    fwd_seg = one_wave_segments(cdiv(V, block_v) * B * H, cdiv(T, fwd_chunk), device, per_sm, MIN_SEGMENT_CHUNKS)
-    bwd_seg = one_wave_segments(cdiv(V, block_v) * B * H, cdiv(T, bwd_chunk), device, per_sm, MIN_SEGMENT_CHUNKS)
-    return ChunkConfig(fwd_chunk=fwd_chunk, bwd_chunk=bwd_chunk, fwd_segments=fwd_seg, bwd_segments=bwd_seg,
-                       fwd_warps=warps, bwd_warps=warps, fwd_block_v=block_v, save_states=fwd_chunk == bwd_chunk,
-                       bf16_snapshots=False)
+    seg = one_wave_segments(cdiv(V, block_v) * B * H, cdiv(T, fwd_chunk), device, per_sm, MIN_SEGMENT_CHUNKS)
+    return ChunkConfig(fwd_chunk=fwd_chunk, bwd_chunk=bwd_chunk, fwd_segments=seg, bwd_segments=seg,
+                       fwd_warps=warps, bwd_warps=warps, fwd_block_v=block_v, save_states=True, bf16_snapshots=False)
 
 
 def _tiles(q, v, block_v):
@@ -205,9 +203,9 @@ def hla3_bwd(q, k, v, do, g, gamma, s0, p0, f0, dsT, dpT, dfT, cfg: ChunkConfig,
     NS, nseg = split_segments(NT, cfg.bwd_segments)
     walk = dict(NS=NS, **common)
     if flags["IS_BF16"] and BK > FOLD_TILE:
-        # bf16 with keys wider than FOLD_TILE: the walk takes fp32 operands and fp32's products
+        # bf16 with keys wider than FOLD_TILE: the walk takes fp32 operands and tf32 products
         # (the wide-key bf16 walk, beside FOLD_TILE)
-        walk.update(IS_BF16=False, PREC=dot_precision(torch.float32))
+        walk.update(IS_BF16=False, PREC="tf32")
     walk_dh0 = dh0
     if nseg > 1:
         # -- backward summaries of the segments from a zero end gradient, folded last to first -----
@@ -295,6 +293,19 @@ class HLA3ChunkFunction(torch.autograd.Function):
         return dq, dk, dv, dg, ds0, dp0, df0, None, None, None
 
 
+def check_grad_layout(cfg: ChunkConfig, K: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse the backward layout known to crash: on CUDA, bf16 inputs with keys up to FOLD_TILE
+    wide, backward chunks of 32 and 8 warps. There ``hla3_bwd_grad_kernel`` stopped with an illegal
+    memory access on an H200 (Triton 3.6, B = 4, H = 16, K = V = 64, T = 4096 and 32768, in one
+    segment and in four), while the same kernel runs on 4 warps (the rule's), on chunks of 64 with
+    8 warps, and at K = 128 with 8 warps (the rule's there). Raises ValueError naming the field."""
+    if (device.type == "cuda" and dtype == torch.bfloat16 and cfg.bwd_warps > 4 and cfg.bwd_chunk == 32
+            and pow2_block(K, min_key_block(device)) <= FOLD_TILE):
+        raise ValueError(f"config.bwd_warps={cfg.bwd_warps} with bf16 inputs, K={K} <= {FOLD_TILE} and "
+                         f"bwd_chunk=32 is refused: the HLA3 gradient kernel stops with an illegal memory "
+                         f"access in that layout (Triton 3.6); use bwd_warps=4, the rule's")
+
+
 def hla3_chunked(q, k, v, g, gamma, state, normalize, eps, config=None, chunk_size=64):
     """HLA3 on the Triton kernels (K <= TILE_MAX through the checks).
 
@@ -316,6 +327,8 @@ def hla3_chunked(q, k, v, g, gamma, state, normalize, eps, config=None, chunk_si
     if state is not None:
         p0, f0 = p0.contiguous(), f0.contiguous()
     cfg = config if config is not None else hla3_config(B, T, H, K, vv.shape[-1], q.dtype, q.device, chunk_size)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, s0, p0, f0)):
+        check_grad_layout(cfg, K, q.dtype, q.device)
     o, S, P, F = HLA3ChunkFunction.apply(q, k, vv, g, s0, p0, f0, gamma, cfg,
                                          torch.float32 if normalize else v.dtype)
     if not normalize:

@@ -46,8 +46,9 @@ def hla3(q, k, v, *, gamma=None, g=None, normalize=False, eps=1e-6, initial_stat
             f [B, H, K] (p, f if normalize)), fp32 (float64 on the float64 torch path), or None for
             zeros. Differentiable.
         output_final_state: also return the state after the last token.
-        chunk_size: rows per chunk (16, 32, 64 or 128 on the triton backend); the result does
-            not depend on it.
+        chunk_size: 16, 32, 64 or 128: the rows per chunk of the torch backend, and on the
+            triton backend a bound on them (``hla3_config``'s rule takes min(chunk_size, 32), the
+            fastest it measured); the result does not depend on it.
         backend: "triton", "torch" or None (triton for CUDA tensors, torch otherwise).
         config: a ChunkConfig for the triton backend (None: ``hla3_config``'s rule). The HLA3
             kernels read fwd_chunk, bwd_chunk, fwd_segments, bwd_segments, fwd_warps, bwd_warps,
