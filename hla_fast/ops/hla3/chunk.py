@@ -14,7 +14,8 @@ walk), a walk from the last chunk to the first carrying only the state gradients
 (``hla3_bwd_state_kernel``, segmented the same way: summaries from a zero end gradient, folded from
 the last segment to the first by ``hla3_bwd_fold_kernel``), then every chunk's dq, dk, dv and db in parallel
 (``hla3_bwd_grad_kernel``). Value blocks give partial dq, dk, dS0 and db, summed here (the
-operator is linear in the value columns). The gradient of the log-gates g is the reverse
+operator is linear in the value columns); with one value block the kernel stores dq and dk in the
+inputs' dtype, with no fp32 copy to sum and convert. The gradient of the log-gates g is the reverse
 cumulative sum of db plus the final state's share (see ``chunk_kernels.py``).
 
 Normalization: the Function computes the unnormalized operator; ``hla3_chunked`` runs it on the
@@ -237,14 +238,18 @@ def hla3_bwd(q, k, v, do, g, gamma, s0, p0, f0, dsT, dpT, dfT, cfg: ChunkConfig,
         ds_end=ds_end, dp_end=dp_end, df_end=df_end, dh0_s=walk_dh0[0], dh0_p=walk_dh0[1], dh0_f=walk_dh0[2],
         sum_m=None, sum_n=None, sum_lr=None, **walk)
     # -- every chunk's gradients -----------------------------------------------------------------
-    dq_part = torch.empty(NV, B, T, H, K, device=dev, dtype=f32)
-    dk_part = torch.empty(NV, B, T, H, K, device=dev, dtype=f32)
+    # one value block stores dq, dk in q's dtype; several store fp32 shares, summed below
+    part = q.dtype if NV == 1 else f32
+    dq_part = torch.empty(NV, B, T, H, K, device=dev, dtype=part)
+    dk_part = torch.empty(NV, B, T, H, K, device=dev, dtype=part)
     dv = torch.empty_like(v)
     db = torch.empty(NV, B, T, H, device=dev, dtype=f32) if want_db else None
     hla3_bwd_grad_kernel[(NT, NV, BH)](
         q=q, k=k, v=v, do=do, g=g, dq=dq_part, dk=dk_part, dv=dv, db=db, cs_s=cs_s, cs_p=cs_p, cs_f=cs_f,
         ds_end=ds_end, dp_end=dp_end, df_end=df_end, **common)
     ds0 = None if dh0[0] is None else dh0[0].sum(0)
+    if NV == 1:
+        return dq_part[0], dk_part[0], dv, ds0, dh0[1], dh0[2], None if db is None else db[0]
     return (dq_part.sum(0).to(q.dtype), dk_part.sum(0).to(k.dtype), dv, ds0, dh0[1], dh0[2],
             None if db is None else db.sum(0))
 

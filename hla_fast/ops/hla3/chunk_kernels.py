@@ -563,7 +563,8 @@ def hla3_bwd_fold_kernel(
 @triton.jit
 def hla3_bwd_grad_kernel(
     q, k, v, do, g,        # inputs as in the forward; do: [B, T, H, V]
-    dq, dk,                # out: partial gradients per value block, fp32 [NV, B, T, H, K]
+    dq, dk,                # out: partial gradients per value block, fp32 [NV, B, T, H, K]; with one
+                           # value block the gradients themselves, [1, B, T, H, K] in q's dtype
     dv,                    # out: [B, T, H, V] (v's dtype)
     db,                    # out: partial dL/db per value block, fp32 [NV, B, T, H]; or None
     cs_s, cs_p, cs_f,      # chunk-start snapshots (forward)
@@ -669,8 +670,8 @@ def hla3_bwd_grad_kernel(
     m_tk = mt[:, None] & mk[None, :]
     off_part = i_v.to(tl.int64) * NBH * T * K   # value block i_v's slice of dq, dk
     p_tk = off_part + off_k + t[:, None] * (H * K) + rk[None, :]
-    tl.store(dq + p_tk, b_dq_r + b_dq_h, mask=m_tk)
-    tl.store(dk + p_tk, b_dk_r + b_dk_h, mask=m_tk)
+    tl.store(dq + p_tk, (b_dq_r + b_dq_h).to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(dk + p_tk, (b_dk_r + b_dk_h).to(dk.dtype.element_ty), mask=m_tk)
     tl.store(dv + off_v + t[:, None] * (H * V) + rv[None, :], b_dv.to(dv.dtype.element_ty),
              mask=mt[:, None] & mv[None, :])
     if HAS_DB:
