@@ -36,7 +36,9 @@ def load(name):
                                           ("profile_kernels", "kernels_ahla_h200_outer_scan"),
                                           ("profile_kernels", "kernels_hla3_h200"),
                                           ("compile_report", "compile_hla2_fp32_k64_cpu"),
-                                          ("compile_report", "compile_hla2_bf16_k64_cpu")])
+                                          ("compile_report", "compile_hla2_bf16_k64_cpu"),
+                                          ("compile_report", "compile_hla3_bf16_k64_cpu"),
+                                          ("compile_report", "compile_hla3_bf16_k128_cpu")])
 def test_recorded_markdown_is_rendered_from_its_json(script, stem):
     with open(os.path.join(RESULTS, stem + ".json")) as f:
         res = json.load(f)
