@@ -30,7 +30,7 @@ from torch.autograd.function import once_differentiable
 from ..common.config import ChunkConfig
 from ..common.gates import log_gamma, reverse_cumsum
 from ..common.launch import (
-    bf16_dots, cdiv, dot_precision, min_key_block, min_value_block, one_wave_segments, pow2_block, split_segments,
+    autograd_records, bf16_dots, cdiv, dot_precision, min_key_block, min_value_block, one_wave_segments, pow2_block, split_segments,
 )
 from .chunk_kernels import (
     ahla_bwd_fold_kernel, ahla_bwd_grad_kernel, ahla_bwd_state_kernel, ahla_bwd_summary_kernel, ahla_fwd_fold_kernel,
@@ -387,8 +387,7 @@ def ahla_chunked(q, k, v, g, gamma, p0, e0, pn0, en0, normalize, eps, config=Non
     Returns (o [B, T, H, V], P_T, E_T, p_T or None, e_T or None)."""
     B, T, H, K = q.shape
     if config is None:
-        training = torch.is_grad_enabled() and any(
-            x is not None and x.requires_grad for x in (q, k, v, g, p0, e0, pn0, en0))
-        config = ahla_config(B, T, H, K, v.shape[-1], q.dtype, q.device, chunk_size, training)
+        config = ahla_config(B, T, H, K, v.shape[-1], q.dtype, q.device, chunk_size,
+                             autograd_records(q, k, v, g, p0, e0, pn0, en0))
     _check_config(config, K)
     return AHLAChunkFunction.apply(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, config)

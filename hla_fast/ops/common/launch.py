@@ -26,6 +26,13 @@ def pow2_block(n: int, lo: int = 16) -> int:
     return max(lo, next_pow2(n))
 
 
+def autograd_records(*tensors) -> bool:
+    """Whether autograd records a graph through a call on ``tensors`` (None entries skipped):
+    grad mode is on and one of them requires grad. Decides a training layout, the refusal of a
+    layout whose backward crashes, and the decode steps' differentiable torch path."""
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+
+
 def interpreter_on() -> bool:
     """True when Triton runs kernels on the CPU (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

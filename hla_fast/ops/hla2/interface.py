@@ -1,10 +1,9 @@
 """Public entry points of the HLA2 operator: :func:`hla2` and :func:`hla2_step`."""
 from __future__ import annotations
 
-import torch
-
 from ..common.checks import check_call, check_sequence_options, check_state, zero_state
 from ..common.gates import call_gates
+from ..common.launch import autograd_records
 from ..common.varlen import varlen_call
 from .state import HLA2State
 
@@ -89,8 +88,6 @@ def hla2_step(q, k, v, state=None, *, gamma=None, g=None, normalize=False, eps=1
     st = _check_state(state, B, H, K, V, normalize, q, "state")
     from .decode import hla2_step_torch, hla2_step_triton
 
-    recording = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, g, *st))
-    if backend == "triton" and not recording:
+    if backend == "triton" and not autograd_records(q, k, v, g, *st):
         return hla2_step_triton(q, k, v, st, g, gamma, normalize, eps)
     return hla2_step_torch(q, k, v, st, g, gamma, normalize, eps)

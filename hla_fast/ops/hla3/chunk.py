@@ -35,7 +35,7 @@ from torch.autograd.function import once_differentiable
 from ..common.config import ChunkConfig
 from ..common.gates import log_gamma, reverse_cumsum
 from ..common.launch import (
-    bf16_dots, cdiv, dot_precision, min_key_block, min_value_block, one_wave_segments, pow2_block, split_segments,
+    autograd_records, bf16_dots, cdiv, dot_precision, min_key_block, min_value_block, one_wave_segments, pow2_block, split_segments,
 )
 from .chunk_kernels import (
     hla3_bwd_fold_kernel, hla3_bwd_grad_kernel, hla3_bwd_state_kernel, hla3_fwd_fold_kernel, hla3_fwd_kernel,
@@ -70,7 +70,7 @@ FOLD_TILE = 64
 def hla3_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: torch.device,
                 chunk_size: int = 64) -> ChunkConfig:
     """The default layout for one call (a rule measured at T = 32k, B = 4, H = 16 on an H200:
-    benchmarks/results/hla3_h200_variants.md for K = V = 64, hla3_h200.md for the sweep):
+    the layouts table of benchmarks/results/hla3_h200.md for K = V = 64, its sweep for the rest):
 
     * chunks of at most 32 in both passes, the forward keeping its chunk-start states for the
       backward. At K = V = 64 in bf16 chunks of 32 beat 64 and 16 in the forward and in forward +
@@ -247,11 +247,12 @@ def hla3_bwd(q, k, v, do, g, gamma, s0, p0, f0, dsT, dpT, dfT, cfg: ChunkConfig,
     hla3_bwd_grad_kernel[(NT, NV, BH)](
         q=q, k=k, v=v, do=do, g=g, dq=dq_part, dk=dk_part, dv=dv, db=db, cs_s=cs_s, cs_p=cs_p, cs_f=cs_f,
         ds_end=ds_end, dp_end=dp_end, df_end=df_end, **common)
-    ds0 = None if dh0[0] is None else dh0[0].sum(0)
-    if NV == 1:
-        return dq_part[0], dk_part[0], dv, ds0, dh0[1], dh0[2], None if db is None else db[0]
-    return (dq_part.sum(0).to(q.dtype), dk_part.sum(0).to(k.dtype), dv, ds0, dh0[1], dh0[2],
-            None if db is None else db.sum(0))
+
+    def total(shares, dtype=f32):
+        """The sum of the value blocks' shares [NV, ...] (one block: its share as stored)."""
+        return None if shares is None else (shares[0] if NV == 1 else shares.sum(0).to(dtype))
+
+    return total(dq_part, q.dtype), total(dk_part, k.dtype), dv, total(dh0[0]), dh0[1], dh0[2], total(db)
 
 
 class HLA3ChunkFunction(torch.autograd.Function):
@@ -332,7 +333,7 @@ def hla3_chunked(q, k, v, g, gamma, state, normalize, eps, config=None, chunk_si
     if state is not None:
         p0, f0 = p0.contiguous(), f0.contiguous()
     cfg = config if config is not None else hla3_config(B, T, H, K, vv.shape[-1], q.dtype, q.device, chunk_size)
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, s0, p0, f0)):
+    if autograd_records(q, k, v, g, s0, p0, f0):
         check_grad_layout(cfg, K, q.dtype, q.device)
     o, S, P, F = HLA3ChunkFunction.apply(q, k, vv, g, s0, p0, f0, gamma, cfg,
                                          torch.float32 if normalize else v.dtype)

@@ -1,10 +1,9 @@
 """Public entry points of the masked third-order operator: :func:`hla3` and :func:`hla3_step`."""
 from __future__ import annotations
 
-import torch
-
 from ..common.checks import check_call, check_sequence_options, check_state, zero_state
 from ..common.gates import call_gates
+from ..common.launch import autograd_records
 from ..common.varlen import varlen_call
 from .state import HLA3State
 
@@ -100,8 +99,6 @@ def hla3_step(q, k, v, state=None, *, gamma=None, g=None, normalize=False, eps=1
     st = _check_state(state, B, H, K, V, normalize, q, "state")
     from .decode import hla3_step_torch, hla3_step_triton
 
-    recording = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, g, *st))
-    if backend == "triton" and not recording:
+    if backend == "triton" and not autograd_records(q, k, v, g, *st):
         return hla3_step_triton(q, k, v, st, g, gamma, normalize, eps)
     return hla3_step_torch(q, k, v, st, g, gamma, normalize, eps)
