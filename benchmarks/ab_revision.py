@@ -3,7 +3,8 @@ process.
 
 The earlier package is extracted from git into a temporary folder and imported under another name,
 so both run on the same GPU, inputs and Triton. bf16, B=4, H=16, T=32768 (``--T``), gamma=0.999,
-K=V in {64, 128} (``--dims``); medians of triton.testing.do_bench (ms) of the whole call, forward
+K=V in {64, 128} (``--dims``), ``--gates`` (log-gates that require grad instead of gamma),
+``--normalize`` (on |q| and |k|); medians of triton.testing.do_bench (ms) of the whole call, forward
 under no_grad and forward + backward, and the relative difference of the two revisions' outputs
 and input gradients. On a CUDA machine, from the repository root:
 
@@ -40,16 +41,24 @@ def extract(rev: str, dest: pathlib.Path) -> str:
     return name
 
 
-def time_call(op, q, k, v, do):
-    """Forward and forward + backward medians (ms) of op(q, k, v, gamma=0.999), and (o, dq, dk, dv)."""
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+def time_call(op, q, k, v, do, g=None, normalize=False):
+    """Forward and forward + backward medians (ms) of op(q, k, v) with gamma=0.999, or with the
+    log-gates g (a leaf that requires grad) when given, and (o, dq, dk, dv[, dg])."""
+    inputs = (q, k, v) if g is None else (q, k, v, g)
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+
+    def call(q, k, v, g=None):
+        decay = dict(gamma=0.999) if g is None else dict(g=g)
+        return op(q, k, v, normalize=normalize, **decay)
 
     def fwd():
         with torch.no_grad():
-            op(q, k, v, gamma=0.999)
+            call(*inputs)
 
     def fwd_bwd():
-        o, _ = op(*leaves, gamma=0.999)
+        for x in leaves:
+            x.grad = None
+        o, _ = call(*leaves)
         o.backward(do)
         return o
 
@@ -75,6 +84,10 @@ def main():
     ap.add_argument("--op", default="hla2", choices=("hla2", "ahla", "hla3"))
     ap.add_argument("--dims", default="64,128", help="comma list of K=V head sizes")
     ap.add_argument("--T", type=int, default=32768)
+    ap.add_argument("--gates", action="store_true",
+                    help="per-token log-gates g = -0.001 * U[0, 1) (that require grad) instead of gamma")
+    ap.add_argument("--normalize", action="store_true",
+                    help="normalize=True, on |q| and |k| (positive features keep the denominator positive)")
     args = ap.parse_args()
     if args.package_dir:
         sys.path.insert(0, args.package_dir)
@@ -90,21 +103,25 @@ def main():
         gen = torch.Generator(device="cuda").manual_seed(D)
         q, k, v = (0.3 * torch.randn(4, args.T, 16, D, device="cuda", dtype=torch.bfloat16, generator=gen)
                    for _ in range(3))
+        if args.normalize:
+            q, k = q.abs(), k.abs()
+        g = -0.001 * torch.rand(4, args.T, 16, device="cuda", generator=gen) if args.gates else None
         do = torch.randn_like(v)
         outs = {}
         for label, mod in ((args.rev, old), ("this tree", new)):
-            f, fb, outs[label] = time_call(getattr(mod, args.op), q, k, v, do)
+            f, fb, outs[label] = time_call(getattr(mod, args.op), q, k, v, do, g=g, normalize=args.normalize)
             rows.append({"K": D, "code": label, "fwd_ms": f, "fwdbwd_ms": fb})
             print(rows[-1], flush=True)
-        rows[-1]["rel_diff_to_rev"] = {n: rel(a, b) for n, a, b in zip(("o", "dq", "dk", "dv"), outs["this tree"],
+        rows[-1]["rel_diff_to_rev"] = {n: rel(a, b) for n, a, b in zip(("o", "dq", "dk", "dv", "dg"), outs["this tree"],
                                                                      outs[args.rev])}
         print(rows[-1]["rel_diff_to_rev"], flush=True)
-        del q, k, v, do, outs
+        del q, k, v, g, do, outs
         torch.cuda.empty_cache()
     res = {"device": torch.cuda.get_device_name(0), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "versions": {"torch": torch.__version__, "triton": triton.__version__},
         "op": args.op, "rev": args.rev,
-        "shape": {"B": 4, "T": args.T, "H": 16, "dtype": "bfloat16", "gamma": 0.999}, "rows": rows}
+        "shape": {"B": 4, "T": args.T, "H": 16, "dtype": "bfloat16", "gamma": 0.999},
+        "gates": args.gates, "normalize": args.normalize, "rows": rows}
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
 

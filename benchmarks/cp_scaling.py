@@ -83,20 +83,22 @@ def parse(argv=None):
     return a
 
 
-def setup():
-    """(rank, world, device): the torchrun group, or a one-process group for a rehearsal."""
+def setup(cpu: bool = False):
+    """(rank, world, device): the torchrun group, or a one-process group for a rehearsal. On CUDA
+    one GPU a rank over NCCL, unless ``cpu`` (the --cpu-smoke rehearsal: gloo on the CPU, also on a
+    machine with fewer GPUs than ranks)."""
+    cuda = torch.cuda.is_available() and not cpu
     if "WORLD_SIZE" in os.environ:
         local = int(os.environ.get("LOCAL_RANK", 0))
-        if torch.cuda.is_available():
+        if cuda:
             torch.cuda.set_device(local)
             dist.init_process_group("nccl")
             return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local)
         dist.init_process_group("gloo")
         return dist.get_rank(), dist.get_world_size(), torch.device("cpu")
     store = os.path.join(tempfile.mkdtemp(), "rendezvous")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
-    return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    return 0, 1, torch.device("cuda" if cuda else "cpu")
 
 
 def sync(device):
@@ -302,7 +304,7 @@ def _version(module):
 
 def main(argv=None):
     a = parse(argv)
-    rank, world, device = setup()
+    rank, world, device = setup(cpu=a.cpu_smoke)
     torch.manual_seed(0)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",

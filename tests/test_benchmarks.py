@@ -28,6 +28,9 @@ def load(name):
 
 
 @pytest.mark.parametrize("script, stem", [("bench_hla3", "hla3_h200"), ("bench_ahla", "ahla_h200"),
+                                          ("bench_hla2", "hla2_h200_decode"),
+                                          ("bench_hla2", "hla2_h200_decode_unwarmed"),
+                                          ("bench_ahla", "ahla_h200_decode"), ("bench_hla3", "hla3_h200_decode"),
                                           ("bench_ahla", "ahla_h200_layouts"),
                                           ("bench_ahla", "ahla_h200_first_call"),
                                           ("bench_ahla", "ahla_h200_variants"),

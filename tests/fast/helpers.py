@@ -148,8 +148,10 @@ class _NaNTorch:
         return out.fill_(float("nan")) if out.is_floating_point() else out
 
 
-KERNEL_MODULES = ["hla_fast.ops.hla2.chunk", "hla_fast.ops.hla2.decode", "hla_fast.ops.ahla.chunk",
-                  "hla_fast.ops.ahla.decode", "hla_fast.ops.hla3.chunk", "hla_fast.ops.hla3.decode"]
+# the modules whose code allocates kernel outputs: the operators' launchers, and the decode steps'
+# shared buffers (their new state and output)
+KERNEL_MODULES = ["hla_fast.ops.hla2.chunk", "hla_fast.ops.ahla.chunk", "hla_fast.ops.hla3.chunk",
+                  "hla_fast.ops.common.step"]
 
 
 def poison_kernel_buffers(monkeypatch):

@@ -178,6 +178,33 @@ def test_decode_leaves_the_input_state_alone(op, device):
     assert all(a is None or torch.equal(a, b) for a, b in zip(before, st))
 
 
+@OPS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_decode_step_is_one_launch(op, dtype, normalize, device, monkeypatch):
+    """A Triton step returns the buffer its kernel stored, in v's dtype and normalized in-kernel:
+    no torch op (a sum, a division, a cast) follows the launch, whose output would be a new tensor."""
+    import importlib
+
+    decode = importlib.import_module(f"hla_fast.ops.{op.name}.decode")
+    made = []
+
+    def recording_step_out(v):
+        made.append(real(v))
+        return made[-1]
+
+    real = decode.step_out
+    monkeypatch.setattr(decode, "step_out", recording_step_out)
+    q, k, v = (x[:, 0].to(dtype) for x in rand_qkv(2, 1, 3, 16, 24, seed=31, positive=normalize, device=device))
+    st = rand_state(op, 2, 3, 16, 24, normalize, seed=32, device=device)
+    o, _ = op.step(q, k, v, st, gamma=0.9, normalize=normalize, backend="triton")
+    assert len(made) == 1 and o.dtype == dtype and o.data_ptr() == made[0].data_ptr()
+    want, _ = op.step(q.double().cpu(), k.double().cpu(), v.double().cpu(), _state64(st), gamma=0.9,
+                      normalize=normalize, backend="torch")
+    # bf16: the inputs are the same bf16 numbers on both paths; the output's rounding to bf16 (2^-9)
+    assert rel(o, want) < (TOL if dtype == torch.float32 else 4e-3)
+
+
 # ----------------------------------------------------------------------- faults found by use
 
 

@@ -11,20 +11,21 @@ log-gate; a = gamma for a constant decay, 1 without decay):
 
 r needs every row of the new P, but each value column is independent: the kernel splits the
 columns of P and E over programs, so each state element is read once and written once and no
-partial sums cross programs. p and e (K numbers) are recomputed by every column block and stored
-by the first. Work is O(K V) per head and the step is bound by state traffic.
+partial sums cross programs: each program stores its columns of the finished output (normalized,
+in v's dtype), and a step is one launch. p and e (K numbers) are recomputed by every column block
+and stored by the first. Work is O(K V) per head and the step is bound by state traffic.
 
 The kernel has no backward: ``ahla_step`` runs the torch step (differentiable) whenever a
 gradient is being recorded.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from ..common.launch import cdiv, next_pow2
-from ..common.step import step_factors, step_gamma, step_inputs, step_output, step_state_buffers
+from ..common.step import step_factors, step_gamma, step_inputs, step_out, step_state_buffers
+from ..common.tiles import store_step_output
 from .state import AHLAState
 
 
@@ -39,8 +40,8 @@ def ahla_step_kernel(
     pn_in, en_in,            # fp32 normalizer state p, e [B*H, K] (or None)
     p_out, e_out,            # fp32 new P, E, same shapes
     pn_out, en_out,          # fp32 new p, e (or None)
-    o, den,                  # out: o [B*H, V] fp32; den [B*H] fp32 (or None)
-    gamma,                   # the constant factor when g is None
+    o,                       # out: [B*H, V] in v's dtype
+    gamma, eps,              # the constant factor when g is None; the normalizer's eps
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_G: tl.constexpr, NORM: tl.constexpr,
 ):
@@ -68,14 +69,17 @@ def ahla_step_kernel(
     # -- E <- a E + k r^T, o = q^T E --------------------------------------------------------------
     b_e = tl.load(e_in + p_s, mask=m_s, other=0.0) * a + b_k[:, None] * b_r[None, :]
     tl.store(e_out + p_s, b_e, mask=m_s)
-    tl.store(o + i_bh * V + rv, tl.sum(b_q[:, None] * b_e, axis=0), mask=mv)
+    b_o = tl.sum(b_q[:, None] * b_e, axis=0)
+    b_den = 0.0
     if NORM:
+        # every column block computes p, e (K numbers) and its den; the first stores them
         b_pn = tl.load(pn_in + i_bh * K + rk, mask=mk, other=0.0) * a + b_k
         b_en = tl.load(en_in + i_bh * K + rk, mask=mk, other=0.0) * a + b_k * tl.sum(b_q * b_pn, axis=0)
         if i_v == 0:
             tl.store(pn_out + i_bh * K + rk, b_pn, mask=mk)
             tl.store(en_out + i_bh * K + rk, b_en, mask=mk)
-            tl.store(den + i_bh, tl.sum(b_q * b_en, axis=0))
+        b_den = tl.sum(b_q * b_en, axis=0)
+    store_step_output(o, i_bh, rv, mv, b_o, b_den, eps, V, NORM)
 
 
 def ahla_step_triton(q, k, v, state, g, gamma, normalize, eps):
@@ -92,13 +96,12 @@ def ahla_step_triton(q, k, v, state, g, gamma, normalize, eps):
     NV = cdiv(V, BV)
     q, k, v, g = step_inputs(q, k, v, g)
     (P, E, pn, en), (p_out, e_out, pn_out, en_out) = step_state_buffers(state, normalize, ("p", "e"))
-    o = torch.empty(B * H, V, device=q.device, dtype=torch.float32)
-    den = torch.empty(B * H, device=q.device, dtype=torch.float32) if normalize else None
+    o = step_out(v)
     ahla_step_kernel[(B * H, NV)](
         q=q, k=k, v=v, g=g, p_in=P, e_in=E, pn_in=pn, en_in=en,
-        p_out=p_out, e_out=e_out, pn_out=pn_out, en_out=en_out, o=o, den=den,
-        gamma=step_gamma(gamma), K=K, V=V, BK=BK, BV=BV, num_warps=4)
-    return step_output(o, den, eps, B, H, v.dtype), AHLAState(p_out, e_out, pn_out, en_out)
+        p_out=p_out, e_out=e_out, pn_out=pn_out, en_out=en_out, o=o,
+        gamma=step_gamma(gamma), eps=eps, K=K, V=V, BK=BK, BV=BV, num_warps=4)
+    return o.view(B, H, V), AHLAState(p_out, e_out, pn_out, en_out)
 
 
 def ahla_step_torch(q, k, v, state, g, gamma, normalize, eps):

@@ -3,8 +3,9 @@
 A decode step takes q, k: [B, H, K], v: [B, H, V], log-gates g: [B, H] or None (then a constant
 gamma, None for no decay) and a state whose parts are fp32 [B, H, *] tensors; its kernel reads
 each of them as [B*H, *] rows (contiguous), writes the new state into fresh buffers of the same
-shapes and returns fp32 numerators [B*H, V] (and denominators [B*H] when normalizing). The torch
-steps multiply the state by the token's factor a = exp(g) (gamma, 1 without decay).
+shapes and stores the output [B*H, V] in v's dtype, divided by its denominator in-kernel when
+normalizing (``store_step_output`` in tiles.py): one launch a step. The torch steps multiply the
+state by the token's factor a = exp(g) (gamma, 1 without decay).
 """
 from __future__ import annotations
 
@@ -30,13 +31,11 @@ def step_gamma(gamma) -> float:
     return 1.0 if gamma is None else float(gamma)
 
 
-def step_output(num, den, eps: float, B: int, H: int, dtype):
-    """o [B, H, V] in ``dtype`` from the numerators num [B*H, V] and, when normalizing, the
-    denominators den [B*H] (None: no normalization): num / (den + eps)."""
-    o = num.view(B, H, num.shape[-1])
-    if den is not None:
-        o = o / (den.view(B, H, 1) + eps)
-    return o.to(dtype)
+def step_out(v):
+    """The output buffer of a step kernel: o [B*H, V] in v's dtype (the kernel stores the finished,
+    normalized output, so a step is one launch)."""
+    B, H, V = v.shape
+    return torch.empty(B * H, V, device=v.device, dtype=v.dtype)
 
 
 def step_factors(g, gamma, dtype, device):

@@ -86,6 +86,15 @@ def vec_or_zeros(base, off, ri, mi, BI: tl.constexpr, LOAD: tl.constexpr):
     return x
 
 
+@triton.jit
+def store_step_output(o, i_bh, rv, mv, b_num, b_den, eps, V: tl.constexpr, NORM: tl.constexpr):
+    """A decode step's output row: o[i_bh, rv] = num / (den + eps) when NORM (else num), in o's
+    dtype. b_num [BV] and the scalar b_den are fp32."""
+    if NORM:
+        b_num = b_num / (b_den + eps)
+    tl.store(o + i_bh * V + rv, b_num.to(o.dtype.element_ty), mask=mv)
+
+
 # ============================================================================ decay and gate factors
 # (the conventions are in gates.py)
 

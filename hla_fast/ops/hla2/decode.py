@@ -9,22 +9,22 @@ a = exp(g) (g the log-gate; a = gamma for a constant decay, 1 without decay):
     z <- a^2 z + u             [K]      (normalize only)
     o  = q^T W  [/ (q^T z + eps)]
 
-The kernel splits the rows of S, W (and z) over programs, so each state element
-is read once and written once; each program also returns its rows' share of
-q^T W (and q^T z), which a tiny torch sum adds up. Work is O(K^2 + K V) per head
-and the step is bound by state traffic.
+One program a head walks the rows of S, W (and z) a block at a time, so each
+state element is read once and written once, and sums q^T W (and q^T z) over the
+blocks: the output is finished (normalized, in v's dtype) in-kernel and a step is
+one launch. Work is O(K^2 + K V) per head and the step is bound by state traffic.
 
 The kernel has no backward: ``hla2_step`` runs the torch step (differentiable) whenever a
 gradient is being recorded.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from ..common.launch import cdiv, next_pow2
-from ..common.step import step_factors, step_gamma, step_inputs, step_output, step_state_buffers
+from ..common.step import step_factors, step_gamma, step_inputs, step_out, step_state_buffers
+from ..common.tiles import store_step_output
 from .state import HLA2State
 
 
@@ -37,52 +37,54 @@ def hla2_step_kernel(
     q, k, v, g,              # [B*H, K], [B*H, K], [B*H, V] (any float dtype); log-gates [B*H] or None
     s_in, w_in, z_in,        # fp32 state: [B*H, K, K], [B*H, K, V], [B*H, K] (or None)
     s_out, w_out, z_out,     # fp32 new state, same shapes
-    o_part, d_part,          # fp32 partial outputs: [B*H, NR, V], [B*H, NR] (or None)
-    gamma,                   # the constant factor when g is None
+    o,                       # out: [B*H, V] in v's dtype
+    gamma, eps,              # the constant factor when g is None; the normalizer's eps
     K: tl.constexpr, V: tl.constexpr,
-    BR: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BR: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NR: tl.constexpr,
     HAS_G: tl.constexpr, NORM: tl.constexpr,
 ):
     i_bh = tl.program_id(0)  # batch * head
-    i_r = tl.program_id(1)   # block of BR state rows
-    NR = tl.num_programs(1)
-    rr = i_r * BR + tl.arange(0, BR)  # this program's rows
     rk = tl.arange(0, BK)
     rv = tl.arange(0, BV)
-    mr = rr < K
     mk = rk < K
     mv = rv < V
     base_kk = i_bh.to(tl.int64) * K * K
     base_kv = i_bh.to(tl.int64) * K * V
-    # the token: q and k in full (columns), k and q on our rows, v in full
+    # -- the token: q and k in full (columns of S), v in full ---------------------------------
     b_q = tl.load(q + i_bh * K + rk, mask=mk, other=0.0).to(tl.float32)
     b_k = tl.load(k + i_bh * K + rk, mask=mk, other=0.0).to(tl.float32)
-    b_qr = tl.load(q + i_bh * K + rr, mask=mr, other=0.0).to(tl.float32)
-    b_kr = tl.load(k + i_bh * K + rr, mask=mr, other=0.0).to(tl.float32)
     b_v = tl.load(v + i_bh * V + rv, mask=mv, other=0.0).to(tl.float32)
     if HAS_G:
         a = tl.exp(tl.load(g + i_bh).to(tl.float32))
     else:
         a = gamma
-    # S rows: S <- a S + k k^T
-    p_s = base_kk + rr[:, None] * K + rk[None, :]
-    m_s = mr[:, None] & mk[None, :]
-    b_s = tl.load(s_in + p_s, mask=m_s, other=0.0) * a + b_kr[:, None] * b_k[None, :]
-    tl.store(s_out + p_s, b_s, mask=m_s)
-    # u = S q on our rows
-    b_u = tl.sum(b_s * b_q[None, :], axis=1)
-    # W rows: W <- a^2 W + u v^T
-    p_w = base_kv + rr[:, None] * V + rv[None, :]
-    m_w = mr[:, None] & mv[None, :]
-    b_w = tl.load(w_in + p_w, mask=m_w, other=0.0) * (a * a) + b_u[:, None] * b_v[None, :]
-    tl.store(w_out + p_w, b_w, mask=m_w)
-    # our rows' share of o = q^T W
-    b_o = tl.sum(b_qr[:, None] * b_w, axis=0)
-    tl.store(o_part + (i_bh * NR + i_r) * V + rv, b_o, mask=mv)
-    if NORM:
-        b_z = tl.load(z_in + i_bh * K + rr, mask=mr, other=0.0) * (a * a) + b_u
-        tl.store(z_out + i_bh * K + rr, b_z, mask=mr)
-        tl.store(d_part + i_bh * NR + i_r, tl.sum(b_qr * b_z, axis=0))
+    # -- the rows of S, W (and z), BR at a time; o = q^T W summed over them ----------------------
+    b_o = tl.zeros([BV], dtype=tl.float32)
+    b_den = 0.0
+    for i_r in range(0, NR):
+        rr = i_r * BR + tl.arange(0, BR)
+        mr = rr < K
+        b_qr = tl.load(q + i_bh * K + rr, mask=mr, other=0.0).to(tl.float32)
+        b_kr = tl.load(k + i_bh * K + rr, mask=mr, other=0.0).to(tl.float32)
+        # S rows: S <- a S + k k^T
+        p_s = base_kk + rr[:, None] * K + rk[None, :]
+        m_s = mr[:, None] & mk[None, :]
+        b_s = tl.load(s_in + p_s, mask=m_s, other=0.0) * a + b_kr[:, None] * b_k[None, :]
+        tl.store(s_out + p_s, b_s, mask=m_s)
+        # u = S q on these rows
+        b_u = tl.sum(b_s * b_q[None, :], axis=1)                                    # [BR]
+        # W rows: W <- a^2 W + u v^T
+        p_w = base_kv + rr[:, None] * V + rv[None, :]
+        m_w = mr[:, None] & mv[None, :]
+        b_w = tl.load(w_in + p_w, mask=m_w, other=0.0) * (a * a) + b_u[:, None] * b_v[None, :]
+        tl.store(w_out + p_w, b_w, mask=m_w)
+        b_o += tl.sum(b_qr[:, None] * b_w, axis=0)
+        if NORM:
+            # z <- a^2 z + u, den = q . z
+            b_z = tl.load(z_in + i_bh * K + rr, mask=mr, other=0.0) * (a * a) + b_u
+            tl.store(z_out + i_bh * K + rr, b_z, mask=mr)
+            b_den += tl.sum(b_qr * b_z, axis=0)
+    store_step_output(o, i_bh, rv, mv, b_o, b_den, eps, V, NORM)
 
 
 def hla2_step_triton(q, k, v, state, g, gamma, normalize, eps):
@@ -93,20 +95,18 @@ def hla2_step_triton(q, k, v, state, g, gamma, normalize, eps):
     B, H, K = q.shape
     V = v.shape[-1]
     BK, BV = max(16, next_pow2(K)), max(16, next_pow2(V))
-    # rows of S and W per program: 32 rows moved state at 87% of copy bandwidth on an H200 at
-    # K = V = 128 (16 rows: 85%, 8 rows: 78%; benchmarks/results/hla2_h200.md, decode)
+    # rows of S and W per step of a program's walk (one program a head, so the output is finished
+    # in-kernel and a step is one launch): the 32 of the earlier kernel, which split the rows over
+    # programs (87% of copy bandwidth against 85% for 16 and 78% for 8 there); the walk moves its
+    # state at 80% a call, 84% from a CUDA graph (benchmarks/results/hla2_h200_decode.md)
     BR = min(32 if max(BK, BV) <= 128 else 8, BK)
-    NR = cdiv(K, BR)
     q, k, v, g = step_inputs(q, k, v, g)
     (S, W, z), (s_out, w_out, z_out) = step_state_buffers(state, normalize, ("z",))
-    o_part = torch.empty(B * H, NR, V, device=q.device, dtype=torch.float32)
-    d_part = torch.empty(B * H, NR, device=q.device, dtype=torch.float32) if normalize else None
-    hla2_step_kernel[(B * H, NR)](
-        q=q, k=k, v=v, g=g, s_in=S, w_in=W, z_in=z,
-        s_out=s_out, w_out=w_out, z_out=z_out, o_part=o_part, d_part=d_part,
-        gamma=step_gamma(gamma), K=K, V=V, BR=BR, BK=BK, BV=BV, num_warps=4)
-    o = step_output(o_part.sum(1), d_part.sum(1) if normalize else None, eps, B, H, v.dtype)
-    return o, HLA2State(s_out, w_out, z_out)
+    o = step_out(v)
+    hla2_step_kernel[(B * H,)](
+        q=q, k=k, v=v, g=g, s_in=S, w_in=W, z_in=z, s_out=s_out, w_out=w_out, z_out=z_out, o=o,
+        gamma=step_gamma(gamma), eps=eps, K=K, V=V, BR=BR, BK=BK, BV=BV, NR=cdiv(K, BR), num_warps=4)
+    return o.view(B, H, V), HLA2State(s_out, w_out, z_out)
 
 
 def hla2_step_torch(q, k, v, state, g, gamma, normalize, eps):

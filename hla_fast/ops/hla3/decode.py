@@ -13,20 +13,21 @@ log-gate; a = gamma for a constant decay, 1 without decay):
 The new F needs r, a sum over every row of the new P, so one program owns a block of value
 columns of one head and walks the rows twice: first P (updating it and summing r), then S and F
 (updating them and summing q^T F). Each element of P and F is read once and written once; S is
-read by every value block of a head (one, for V <= 128) and written by the first. Work is
-O(K^2 + K V) per head and the step is bound by state traffic.
+read by every value block of a head (one, for V <= 128) and written by the first. Each program
+stores its columns of the finished output (normalized, in v's dtype): a step is one launch. Work
+is O(K^2 + K V) per head and the step is bound by state traffic.
 
 The kernel has no backward: ``hla3_step`` runs the torch step (differentiable) whenever a
 gradient is being recorded.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from ..common.launch import cdiv, next_pow2
-from ..common.step import step_factors, step_gamma, step_inputs, step_output, step_state_buffers
+from ..common.step import step_factors, step_gamma, step_inputs, step_out, step_state_buffers
+from ..common.tiles import store_step_output
 from .state import HLA3State
 
 
@@ -39,8 +40,8 @@ def hla3_step_kernel(
     q, k, v, g,                     # [B*H, K], [B*H, K], [B*H, V] (any float dtype); log-gates [B*H] or None
     s_in, pm_in, f_in, p_in, fz_in,     # fp32 state: S [B*H, K, K], P, F [B*H, K, V], p, f [B*H, K] (or None)
     s_out, pm_out, f_out, p_out, fz_out,  # fp32 new state, same shapes
-    o_num, den,                     # fp32 out: q^T F [B*H, V]; q^T f [B*H] (or None)
-    gamma,                          # the constant factor when g is None
+    o,                              # out: [B*H, V] in v's dtype
+    gamma, eps,                     # the constant factor when g is None; the normalizer's eps
     K: tl.constexpr, V: tl.constexpr,
     BR: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NR: tl.constexpr,
     HAS_G: tl.constexpr, NORM: tl.constexpr,
@@ -80,7 +81,7 @@ def hla3_step_kernel(
         rho = tl.sum(b_q * b_pz, axis=0)
         if i_v == 0:
             tl.store(p_out + i_bh * K + rk, b_pz, mask=mk)
-        b_den = 0.0
+    b_den = 0.0
     # -- pass 2: S <- a S + k k^T, u = S q, F <- a^3 F + u r^T, o = q^T F -------------------------
     b_o = tl.zeros([BV], dtype=tl.float32)
     for i_r in range(0, NR):
@@ -104,10 +105,7 @@ def hla3_step_kernel(
             if i_v == 0:
                 tl.store(fz_out + i_bh * K + rr, b_fz, mask=mr)
             b_den += tl.sum(b_qr * b_fz, axis=0)
-    tl.store(o_num + i_bh * V + rv, b_o, mask=mv)
-    if NORM:
-        if i_v == 0:
-            tl.store(den + i_bh, b_den)
+    store_step_output(o, i_bh, rv, mv, b_o, b_den, eps, V, NORM)
 
 
 def hla3_step_triton(q, k, v, state, g, gamma, normalize, eps):
@@ -122,14 +120,13 @@ def hla3_step_triton(q, k, v, state, g, gamma, normalize, eps):
     BR = min(32, BK)  # rows of S, P, F per step of a program's walk
     q, k, v, g = step_inputs(q, k, v, g)
     (S, P, F, p, f), (s_out, pm_out, f_out, p_out, fz_out) = step_state_buffers(state, normalize, ("p", "f"))
-    o_num = torch.empty(B * H, V, device=q.device, dtype=torch.float32)
-    den = torch.empty(B * H, device=q.device, dtype=torch.float32) if normalize else None
+    o = step_out(v)
     hla3_step_kernel[(B * H, cdiv(V, BV))](
         q=q, k=k, v=v, g=g,
         s_in=S, pm_in=P, f_in=F, p_in=p, fz_in=f, s_out=s_out, pm_out=pm_out, f_out=f_out, p_out=p_out,
-        fz_out=fz_out, o_num=o_num, den=den, gamma=step_gamma(gamma),
+        fz_out=fz_out, o=o, gamma=step_gamma(gamma), eps=eps,
         K=K, V=V, BR=BR, BK=BK, BV=BV, NR=cdiv(K, BR), num_warps=4)
-    return step_output(o_num, den, eps, B, H, v.dtype), HLA3State(s_out, pm_out, f_out, p_out, fz_out)
+    return o.view(B, H, V), HLA3State(s_out, pm_out, f_out, p_out, fz_out)
 
 
 def hla3_step_torch(q, k, v, state, g, gamma, normalize, eps):
