@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..common.launch import cdiv, next_pow2
 from ..common.step import step_factors, step_gamma, step_inputs, step_out, step_state_buffers
-from ..common.tiles import store_step_output
+from ..common.tiles import step_rank1, step_token, store_step_output
 from .state import AHLAState
 
 
@@ -53,22 +53,12 @@ def ahla_step_kernel(
     mv = rv < V
     base = i_bh.to(tl.int64) * K * V
     # -- the token ----------------------------------------------------------------------------
-    b_q = tl.load(q + i_bh * K + rk, mask=mk, other=0.0).to(tl.float32)
-    b_k = tl.load(k + i_bh * K + rk, mask=mk, other=0.0).to(tl.float32)
-    b_v = tl.load(v + i_bh * V + rv, mask=mv, other=0.0).to(tl.float32)
-    if HAS_G:
-        a = tl.exp(tl.load(g + i_bh).to(tl.float32))
-    else:
-        a = gamma
+    b_q, b_k, b_v, a = step_token(q, k, v, g, i_bh, rk, mk, rv, mv, gamma, K, V, HAS_G)
     # -- P <- a P + k v^T, r = q^T P on our columns ---------------------------------------------
-    p_s = base + rk[:, None] * V + rv[None, :]
-    m_s = mk[:, None] & mv[None, :]
-    b_p = tl.load(p_in + p_s, mask=m_s, other=0.0) * a + b_k[:, None] * b_v[None, :]
-    tl.store(p_out + p_s, b_p, mask=m_s)
+    b_p = step_rank1(p_in, p_out, base, rk, mk, rv, mv, a, b_k, b_v, V, True)
     b_r = tl.sum(b_q[:, None] * b_p, axis=0)                                    # [BV]
     # -- E <- a E + k r^T, o = q^T E --------------------------------------------------------------
-    b_e = tl.load(e_in + p_s, mask=m_s, other=0.0) * a + b_k[:, None] * b_r[None, :]
-    tl.store(e_out + p_s, b_e, mask=m_s)
+    b_e = step_rank1(e_in, e_out, base, rk, mk, rv, mv, a, b_k, b_r, V, True)
     b_o = tl.sum(b_q[:, None] * b_e, axis=0)
     b_den = 0.0
     if NORM:

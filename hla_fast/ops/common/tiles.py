@@ -86,6 +86,48 @@ def vec_or_zeros(base, off, ri, mi, BI: tl.constexpr, LOAD: tl.constexpr):
     return x
 
 
+# ============================================================================ decode steps
+# One token updates each state block by a rank-one term; these helpers are the pieces every step
+# kernel (``ops/*/decode.py``) shares.
+
+
+@triton.jit
+def step_token(q, k, v, g, i_bh, rk, mk, rv, mv, gamma, K: tl.constexpr, V: tl.constexpr, HAS_G: tl.constexpr):
+    """The token of head i_bh as fp32: q, k [BK] (features rk) and v's columns rv [BV], and its
+    factor a = exp(g) (the constant gamma without log-gates)."""
+    b_q = tl.load(q + i_bh * K + rk, mask=mk, other=0.0).to(tl.float32)
+    b_k = tl.load(k + i_bh * K + rk, mask=mk, other=0.0).to(tl.float32)
+    b_v = tl.load(v + i_bh * V + rv, mask=mv, other=0.0).to(tl.float32)
+    if HAS_G:
+        a = tl.exp(tl.load(g + i_bh).to(tl.float32))
+    else:
+        a = gamma
+    return b_q, b_k, b_v, a
+
+
+@triton.jit
+def step_rows(q, k, i_bh, i_r, K: tl.constexpr, BR: tl.constexpr):
+    """Block i_r of a head's K state rows: rows rr [BR], their mask, and q, k on them (fp32)."""
+    rr = i_r * BR + tl.arange(0, BR)
+    mr = rr < K
+    b_qr = tl.load(q + i_bh * K + rr, mask=mr, other=0.0).to(tl.float32)
+    b_kr = tl.load(k + i_bh * K + rr, mask=mr, other=0.0).to(tl.float32)
+    return rr, mr, b_qr, b_kr
+
+
+@triton.jit
+def step_rank1(x_in, x_out, base, ri, mi, rj, mj, c, b_left, b_right, D: tl.constexpr, STORE):
+    """Rows ri, columns rj of a row-major state [.., D] (its head at ``base``) after one token:
+    X <- c X + left right^T (b_left [BI], b_right [BJ]); stored into x_out when STORE. Returns the
+    new block [BI, BJ]."""
+    p = base + ri[:, None] * D + rj[None, :]
+    m = mi[:, None] & mj[None, :]
+    x = tl.load(x_in + p, mask=m, other=0.0) * c + b_left[:, None] * b_right[None, :]
+    if STORE:
+        tl.store(x_out + p, x, mask=m)
+    return x
+
+
 @triton.jit
 def store_step_output(o, i_bh, rv, mv, b_num, b_den, eps, V: tl.constexpr, NORM: tl.constexpr):
     """A decode step's output row: o[i_bh, rv] = num / (den + eps) when NORM (else num), in o's

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ..common.launch import cdiv, next_pow2
 from ..common.step import step_factors, step_gamma, step_inputs, step_out, step_state_buffers
-from ..common.tiles import store_step_output
+from ..common.tiles import step_rank1, step_rows, step_token, store_step_output
 from .state import HLA2State
 
 
@@ -51,33 +51,15 @@ def hla2_step_kernel(
     base_kk = i_bh.to(tl.int64) * K * K
     base_kv = i_bh.to(tl.int64) * K * V
     # -- the token: q and k in full (columns of S), v in full ---------------------------------
-    b_q = tl.load(q + i_bh * K + rk, mask=mk, other=0.0).to(tl.float32)
-    b_k = tl.load(k + i_bh * K + rk, mask=mk, other=0.0).to(tl.float32)
-    b_v = tl.load(v + i_bh * V + rv, mask=mv, other=0.0).to(tl.float32)
-    if HAS_G:
-        a = tl.exp(tl.load(g + i_bh).to(tl.float32))
-    else:
-        a = gamma
+    b_q, b_k, b_v, a = step_token(q, k, v, g, i_bh, rk, mk, rv, mv, gamma, K, V, HAS_G)
     # -- the rows of S, W (and z), BR at a time; o = q^T W summed over them ----------------------
     b_o = tl.zeros([BV], dtype=tl.float32)
     b_den = 0.0
     for i_r in range(0, NR):
-        rr = i_r * BR + tl.arange(0, BR)
-        mr = rr < K
-        b_qr = tl.load(q + i_bh * K + rr, mask=mr, other=0.0).to(tl.float32)
-        b_kr = tl.load(k + i_bh * K + rr, mask=mr, other=0.0).to(tl.float32)
-        # S rows: S <- a S + k k^T
-        p_s = base_kk + rr[:, None] * K + rk[None, :]
-        m_s = mr[:, None] & mk[None, :]
-        b_s = tl.load(s_in + p_s, mask=m_s, other=0.0) * a + b_kr[:, None] * b_k[None, :]
-        tl.store(s_out + p_s, b_s, mask=m_s)
-        # u = S q on these rows
-        b_u = tl.sum(b_s * b_q[None, :], axis=1)                                    # [BR]
-        # W rows: W <- a^2 W + u v^T
-        p_w = base_kv + rr[:, None] * V + rv[None, :]
-        m_w = mr[:, None] & mv[None, :]
-        b_w = tl.load(w_in + p_w, mask=m_w, other=0.0) * (a * a) + b_u[:, None] * b_v[None, :]
-        tl.store(w_out + p_w, b_w, mask=m_w)
+        rr, mr, b_qr, b_kr = step_rows(q, k, i_bh, i_r, K, BR)
+        b_s = step_rank1(s_in, s_out, base_kk, rr, mr, rk, mk, a, b_kr, b_k, K, True)       # S <- a S + k k^T
+        b_u = tl.sum(b_s * b_q[None, :], axis=1)                                    # u = S q  [BR]
+        b_w = step_rank1(w_in, w_out, base_kv, rr, mr, rv, mv, a * a, b_u, b_v, V, True)    # W <- a^2 W + u v^T
         b_o += tl.sum(b_qr[:, None] * b_w, axis=0)
         if NORM:
             # z <- a^2 z + u, den = q . z

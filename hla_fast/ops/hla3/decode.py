@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ..common.launch import cdiv, next_pow2
 from ..common.step import step_factors, step_gamma, step_inputs, step_out, step_state_buffers
-from ..common.tiles import store_step_output
+from ..common.tiles import step_rank1, step_rows, step_token, store_step_output
 from .state import HLA3State
 
 
@@ -55,25 +55,13 @@ def hla3_step_kernel(
     base_kk = i_bh.to(tl.int64) * K * K
     base_kv = i_bh.to(tl.int64) * K * V
     # -- the token -------------------------------------------------------------------------
-    b_q = tl.load(q + i_bh * K + rk, mask=mk, other=0.0).to(tl.float32)
-    b_k = tl.load(k + i_bh * K + rk, mask=mk, other=0.0).to(tl.float32)
-    b_v = tl.load(v + i_bh * V + rv, mask=mv, other=0.0).to(tl.float32)
-    if HAS_G:
-        a = tl.exp(tl.load(g + i_bh).to(tl.float32))
-    else:
-        a = gamma
+    b_q, b_k, b_v, a = step_token(q, k, v, g, i_bh, rk, mk, rv, mv, gamma, K, V, HAS_G)
     a3 = a * a * a
     # -- pass 1: P <- a P + k v^T row block by row block, r = q^T P ----------------------------
     b_r = tl.zeros([BV], dtype=tl.float32)
     for i_r in range(0, NR):
-        rr = i_r * BR + tl.arange(0, BR)
-        mr = rr < K
-        b_qr = tl.load(q + i_bh * K + rr, mask=mr, other=0.0).to(tl.float32)
-        b_kr = tl.load(k + i_bh * K + rr, mask=mr, other=0.0).to(tl.float32)
-        p_w = base_kv + rr[:, None] * V + rv[None, :]
-        m_w = mr[:, None] & mv[None, :]
-        b_p = tl.load(pm_in + p_w, mask=m_w, other=0.0) * a + b_kr[:, None] * b_v[None, :]
-        tl.store(pm_out + p_w, b_p, mask=m_w)
+        rr, mr, b_qr, b_kr = step_rows(q, k, i_bh, i_r, K, BR)
+        b_p = step_rank1(pm_in, pm_out, base_kv, rr, mr, rv, mv, a, b_kr, b_v, V, True)
         b_r += tl.sum(b_qr[:, None] * b_p, axis=0)
     if NORM:
         # p <- a p + k (whole vector), rho = q . p
@@ -85,20 +73,11 @@ def hla3_step_kernel(
     # -- pass 2: S <- a S + k k^T, u = S q, F <- a^3 F + u r^T, o = q^T F -------------------------
     b_o = tl.zeros([BV], dtype=tl.float32)
     for i_r in range(0, NR):
-        rr = i_r * BR + tl.arange(0, BR)
-        mr = rr < K
-        b_qr = tl.load(q + i_bh * K + rr, mask=mr, other=0.0).to(tl.float32)
-        b_kr = tl.load(k + i_bh * K + rr, mask=mr, other=0.0).to(tl.float32)
-        p_s = base_kk + rr[:, None] * K + rk[None, :]
-        m_s = mr[:, None] & mk[None, :]
-        b_s = tl.load(s_in + p_s, mask=m_s, other=0.0) * a + b_kr[:, None] * b_k[None, :]
-        if i_v == 0:
-            tl.store(s_out + p_s, b_s, mask=m_s)
+        rr, mr, b_qr, b_kr = step_rows(q, k, i_bh, i_r, K, BR)
+        # S is the same for every value block: the first stores it
+        b_s = step_rank1(s_in, s_out, base_kk, rr, mr, rk, mk, a, b_kr, b_k, K, i_v == 0)
         b_u = tl.sum(b_s * b_q[None, :], axis=1)                 # (S q) on these rows [BR]
-        p_w = base_kv + rr[:, None] * V + rv[None, :]
-        m_w = mr[:, None] & mv[None, :]
-        b_f = tl.load(f_in + p_w, mask=m_w, other=0.0) * a3 + b_u[:, None] * b_r[None, :]
-        tl.store(f_out + p_w, b_f, mask=m_w)
+        b_f = step_rank1(f_in, f_out, base_kv, rr, mr, rv, mv, a3, b_u, b_r, V, True)
         b_o += tl.sum(b_qr[:, None] * b_f, axis=0)
         if NORM:
             b_fz = tl.load(fz_in + i_bh * K + rr, mask=mr, other=0.0) * a3 + b_u * rho
