@@ -655,7 +655,7 @@ def render_markdown(res):
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for m in res["memory"]:
             fp = (m.get("fla_linear_attn") or {}).get("peak_mb")
-            for n in ("hla_fast", "hla_fast_no_saved_states", "hla_fast_norm", "fla_linear_attn"):
+            for n in ("hla_fast", "hla_fast_one_piece", "hla_fast_no_saved_states", "hla_fast_norm", "fla_linear_attn"):
                 x = m.get(n)
                 if not isinstance(x, dict):
                     continue
@@ -875,7 +875,7 @@ def variant_changes(K):
                 ("fwdbwd", {"fwd_chunk": 32, "bwd_chunk": 32}), ("fwdbwd", {"grad_parts": (1, 2, 4)}),
                 ("fwdbwd", {"bf16_snapshots": False}), ("fwd", {"fwd_warps": 8}),
                 ("fwdbwd", {"bwd_segments": 8}), ("fwd", {"fwd_chunk": 128})]
-    return [("fwd", {}), ("fwdbwd", {}),
+    return [("fwd", {}), ("fwdbwd", {}), ("fwdbwd", {"bwd_pieces": 1}),
             ("fwdbwd", {"save_states": False}), ("fwd", {"fwd_chunk": 64}),
             ("fwd", {"fwd_segments": 2}), ("fwdbwd", {"grad_parts": (7,)}),
             ("fwd", {"fwd_warps": 4}), ("fwdbwd", {"fwd_chunk": 64, "bwd_chunk": 64, "fwd_warps": 4, "bwd_warps": 4})]
@@ -1115,6 +1115,8 @@ def main():
                      "hla_fast_no_saved_states": (lambda q, k, v: hla(q, k, v, config=cfg.replace(save_states=False)),
                                                   (q, k, v)),
                      "hla_fast_norm": (hla_norm, (q.abs(), k.abs(), v))}
+            if cfg.bwd_pieces > 1:  # what the backward in pieces saves
+                cands["hla_fast_one_piece"] = (lambda q, k, v: hla(q, k, v, config=cfg.replace(bwd_pieces=1)), (q, k, v))
             if fla_fn is not None:
                 cands["fla_linear_attn"] = (fla_fn, (q, k, v))
             for name, (fn, inputs) in cands.items():

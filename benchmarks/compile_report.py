@@ -190,7 +190,10 @@ def report(op, B, T, H, K, V, dtype, changes=None, forward_only=False, gates=Fal
         name = kernel.fn.__name__
         if only and only not in name:
             continue
-        key = (name, tuple(sorted((a, str(b.dtype) if torch.is_tensor(b) else repr(b)) for a, b in kw.items())))
+        # arguments the kernel does not specialize on (do_not_specialize) do not make a new compile
+        loose = set(getattr(kernel.fn, "do_not_specialize", None) or ())
+        key = (name, tuple(sorted((a, str(b.dtype) if torch.is_tensor(b) else repr(b)) for a, b in kw.items()
+                                  if a not in loose)))
         if key in seen:
             continue
         seen.add(key)

@@ -126,6 +126,37 @@ def test_gradients_of_a_loss_on_part_of_the_outputs(op, used, device, poison):
 
 
 @OPS
+@pytest.mark.parametrize("gates", ["none", "g_fixed", "g_learned"])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_forward_keeps_the_final_state_only_for_the_gates(op, gates, normalize, device):
+    """The backward reads the final state back only for the log-gates' gradient (the state's own
+    factor e^{b_T}), so a forward whose gates do not require grad keeps none of it: at K = V = 128
+    that is 8 MB of fp32 state per (batch, head) group held through the backward for nothing."""
+    B, T, H, K, V = 1, 21, 2, 12, 10
+    q, k, v = (x.to(device).requires_grad_() for x in rand_qkv(B, T, H, K, V, seed=31, positive=normalize))
+    kw = {}
+    if gates != "none":
+        kw["g"] = decay_kwargs("g", B, T, H, seed=32, device=device)["g"].requires_grad_(gates == "g_learned")
+    saved = []
+
+    def pack(t):
+        saved.append(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        o, st = op.op(q, k, v, normalize=normalize, chunk_size=16, backend="triton", output_final_state=True, **kw)
+    final = {x.untyped_storage().data_ptr() for x in st if x is not None}
+    kept = final & set(saved)
+    if gates == "g_learned":
+        assert kept == final
+    else:
+        assert not kept
+    # and the backward still runs on what was kept
+    (o.double().sum() + sum(x.double().sum() for x in st if x is not None)).backward()
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+@OPS
 @pytest.mark.parametrize("kind", KINDS)
 def test_torch_path_gradients_are_the_definitions(op, kind):
     """The float64 torch path (the reference above) against autograd through the index sums."""

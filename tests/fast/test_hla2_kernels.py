@@ -95,6 +95,38 @@ def test_segmented_backward_equals_one_walk(segments, cross, device, poison):
     _close(*runs)
 
 
+@pytest.mark.parametrize("pieces", [2, 3, 5])
+@pytest.mark.parametrize("cross", [False, True])
+@pytest.mark.parametrize("init", [False, True])
+def test_backward_in_pieces_equals_one_walk(pieces, cross, init, device, poison):
+    """A backward walked in pieces (the last first, each from the gradient the later one left at
+    its start, one piece's end-state gradients at a time) gives the gradients of one walk, with an
+    initial state, end-state cotangents and gates; 45 tokens in chunks of 16: 3 chunks, so 5 pieces
+    are 3 and every piece but the last is one chunk."""
+    q, k, v, g, S0, W0, _ = _inputs(device)
+    q2, k2 = (q.flip(-1).contiguous(), k.flip(-1).contiguous()) if cross else (None, None)
+    do = torch.randn_like(v)
+    dS, dW = torch.randn_like(S0), torch.randn_like(W0)
+    s0, w0 = (S0, W0) if init else (None, None)
+    runs = [chunk.bwd_launch(q, k, v, do, g, None, s0, w0, dS, dW, SMALL.replace(bwd_pieces=n), q2=q2, k2=k2,
+                             want_db=True) for n in (1, pieces)]
+    _close(*runs)
+    assert (runs[1][5] is None) == (not init)
+
+
+def test_backward_pieces_are_the_chunk_ranges():
+    assert launch.backward_pieces(10, 4) == ([9, 6, 3, 0], 3)
+    assert launch.backward_pieces(3, 5) == ([2, 1, 0], 1)
+    assert launch.backward_pieces(8, 1) == ([0], 8)
+
+
+def test_backward_pieces_need_one_segment(device):
+    q, k, v, g, S0, W0, _ = _inputs(device, T=80)
+    with pytest.raises(ValueError, match="bwd_pieces=2 needs a backward walk of one segment"):
+        chunk.bwd_launch(q, k, v, torch.randn_like(v), g, None, None, None, None, None,
+                         SMALL.replace(bwd_pieces=2, bwd_segments=2))
+
+
 @pytest.mark.parametrize("cross", [False, True])
 def test_gradient_launches_split_by_part(cross, device, poison):
     """Every grouping of dq (1), dk (2), dv (4) over launches gives the same gradients and db."""
@@ -166,10 +198,13 @@ def test_configuration_rule(monkeypatch):
     c = hla_fast.hla2_config(4, 32768, 16, 128, 128, torch.bfloat16, cuda)
     # 128 eight-warp programs (two value blocks a head), one a multiprocessor: one segment
     assert (c.fwd_chunk, c.bwd_chunk, c.fwd_warps, c.fwd_segments, c.bwd_segments) == (32, 32, 8, 1, 1)
-    assert c.save_states
+    assert c.save_states and c.bwd_pieces == chunk.BWD_PIECES  # 1024 chunks: the walk in pieces
+    c = hla_fast.hla2_config(4, 4096, 16, 128, 128, torch.bfloat16, cuda)
+    assert c.bwd_pieces == 1  # 128 chunks: too few to be worth the launches
     c = hla_fast.hla2_config(4, 32768, 16, 64, 128, torch.bfloat16, cuda)
     # 64-wide keys keep 64 x 64 tiles and 4 warps: the backward runs two value blocks, so nothing is kept
     assert (c.fwd_warps, c.bwd_warps, c.fwd_segments, c.bwd_segments, c.save_states) == (4, 4, 2, 4, False)
+    assert c.bwd_pieces == 1  # a segmented walk is not cut into pieces
     assert chunk.bwd_value_width(64) == 64 and chunk.bwd_value_width(65) == chunk.bwd_value_width(128) == 128
     c = hla_fast.hla2_config(1, 1280, 2, 64, 64, torch.bfloat16, cuda)
     assert c.fwd_segments == 5  # few heads: many segments, but at least 4 chunks each

@@ -144,6 +144,21 @@ def test_config_fields_are_checked():
             cfg.replace(**{field: bad})
     with pytest.raises(TypeError, match="config.save_states"):
         cfg.replace(save_states=1)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="config.bwd_pieces must be an int >= 1"):
+            cfg.replace(bwd_pieces=bad)
+
+
+@OPS
+def test_backward_pieces_only_where_the_operator_has_them(op):
+    q, k, v = _qkv()
+    cfg = hla_fast.ChunkConfig(fwd_chunk=16, bwd_chunk=16, fwd_block_v=16, bwd_pieces=2)
+    if op.name == "hla2":
+        o, _ = op.op(q, k, v, backend="triton", config=cfg)   # HLA2 walks its backward in pieces
+        assert o.shape == v.shape
+    else:
+        with pytest.raises(ValueError, match=f"config.bwd_pieces must be 1 for {op.name}"):
+            op.op(q, k, v, backend="triton", config=cfg)
 
 
 @OPS

@@ -27,7 +27,7 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..common.config import ChunkConfig
+from ..common.config import ChunkConfig, check_one_piece
 from ..common.gates import log_gamma, reverse_cumsum
 from ..common.launch import (
     autograd_records, bf16_dots, cdiv, dot_precision, min_key_block, min_value_block, one_wave_segments, pow2_block, split_segments,
@@ -132,7 +132,9 @@ def grad_keys_per_block(n_value_blocks: int, BK: int, dtype: torch.dtype) -> boo
 
 
 def _check_config(cfg: ChunkConfig, K: int):
-    """Refuse a layout the kernels cannot run: segments for keys wider than SEGMENT_MAX_K."""
+    """Refuse a layout the kernels cannot run: segments for keys wider than SEGMENT_MAX_K, and a
+    backward in pieces (HLA2's only)."""
+    check_one_piece(cfg, "ahla")
     if K > SEGMENT_MAX_K and (cfg.fwd_segments != 1 or cfg.bwd_segments != 1):
         raise ValueError(f"ahla runs keys wider than {SEGMENT_MAX_K} (K={K}) in one segment: config.fwd_segments "
                          f"and config.bwd_segments must be 1, got {cfg.fwd_segments} and {cfg.bwd_segments}")
@@ -322,8 +324,11 @@ def ahla_bwd(q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, d
             p0 = _cat_last(p0, pn0 if pn0 is not None else torch.zeros_like(p0[..., 0]))
             e0 = _cat_last(e0, en0 if en0 is not None else torch.zeros_like(e0[..., 0]))
         if any(x is not None for x in (dPT, dET, dpT, deT)):
-            dPT = _cat_last(torch.zeros_like(PT) if dPT is None else dPT, torch.zeros_like(pT) if dpT is None else dpT)
-            dET = _cat_last(torch.zeros_like(ET) if dET is None else dET, torch.zeros_like(eT) if deT is None else deT)
+            # a missing cotangent is zero; its shape from the operator's ([B, H, K, V], [B, H, K])
+            B, _, H, K = q.shape
+            dPT, dET, dpT, deT = (q.new_zeros(shape, dtype=torch.float32) if x is None else x for x, shape in (
+                (dPT, (B, H, K, V)), (dET, (B, H, K, V)), (dpT, (B, H, K)), (deT, (B, H, K))))
+            dPT, dET = _cat_last(dPT, dpT), _cat_last(dET, deT)
         PT, ET = _cat_last(PT, pT), _cat_last(ET, eT)
     states = None if cs_p is None else (cs_p, cs_e)
     dq, dk, dv, dP0, dE0, db = bwd_launch(q, k, v, do, g, gamma, p0, e0, dPT, dET, cfg, states=states,
@@ -362,8 +367,9 @@ class AHLAChunkFunction(torch.autograd.Function):
         grads = any(ctx.needs_input_grad[:8])
         o, den, PT, ET, pT, eT, cs_p, cs_e = ahla_fwd(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg,
                                                       keep_states=grads and cfg.save_states)
-        ctx.save_for_backward(q, k, v, g, p0, e0, pn0, en0, o if normalize else None, den, PT, ET, pT, eT,
-                              cs_p, cs_e)
+        # the final state is read back only for the log-gates' gradient (its own factor e^{b_T})
+        final = (PT, ET, pT, eT) if g is not None and ctx.needs_input_grad[3] else (None,) * 4
+        ctx.save_for_backward(q, k, v, g, p0, e0, pn0, en0, o if normalize else None, den, *final, cs_p, cs_e)
         ctx.gamma, ctx.normalize, ctx.eps, ctx.cfg = gamma, normalize, eps, cfg
         return o, PT, ET, pT, eT
 

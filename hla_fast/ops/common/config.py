@@ -28,6 +28,10 @@ class ChunkConfig:
         backward (memory held between the passes) instead of the backward recomputing them.
     bf16_snapshots: per-chunk snapshots the backward reads only as dot operands are stored in
         bf16 for bf16 inputs.
+    bwd_pieces: the backward walks the sequence in this many pieces, the last first, and keeps
+        the chunk-end state gradients of one piece at a time (a piece-sized buffer instead of
+        one as large as the chunk states); the same launches, in smaller grids. Needs a backward
+        walk of one segment (the wide heads'); operators without it take only 1.
     """
 
     fwd_chunk: int = 64
@@ -40,6 +44,7 @@ class ChunkConfig:
     grad_parts: tuple = (1, 6)
     save_states: bool = True
     bf16_snapshots: bool = True
+    bwd_pieces: int = 1
 
     def __post_init__(self):
         for name in ("fwd_chunk", "bwd_chunk"):
@@ -50,6 +55,9 @@ class ChunkConfig:
             x = getattr(self, name)
             if isinstance(x, bool) or not isinstance(x, int) or x < 1:
                 raise ValueError(f"config.{name} must be an int >= 1, got {x!r}")
+        x = self.bwd_pieces
+        if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+            raise ValueError(f"config.bwd_pieces must be an int >= 1, got {x!r}")
         for name in ("fwd_warps", "bwd_warps"):
             x = getattr(self, name)
             if isinstance(x, bool) or x not in _WARPS:
@@ -70,3 +78,10 @@ class ChunkConfig:
     def replace(self, **changes) -> "ChunkConfig":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def check_one_piece(cfg: ChunkConfig, op: str) -> None:
+    """Refuse ``bwd_pieces`` other than 1 for an operator whose backward has no pieces."""
+    if cfg.bwd_pieces != 1:
+        raise ValueError(f"config.bwd_pieces must be 1 for {op} (its backward walks the sequence in one "
+                         f"piece), got {cfg.bwd_pieces}")

@@ -88,6 +88,13 @@ def one_wave_segments(n_programs: int, n_chunks: int, device: torch.device, per_
     return max(1, min((per_sm * sm_count(device)) // n_programs, n_chunks // min_chunks))
 
 
+def backward_pieces(n_chunks: int, pieces: int):
+    """(starts, per): the first chunk of each piece of a backward walked in ``pieces`` pieces, the
+    last piece first, and the chunks per piece (the last may be shorter; no piece is empty)."""
+    per = cdiv(n_chunks, max(1, min(int(pieces), n_chunks)))
+    return list(range(0, n_chunks, per))[::-1], per
+
+
 def even_blocks(n: int, width: int):
     """Bounds (start, stop) cutting range(n) into the fewest blocks at most ``width`` long, as even
     as possible."""

@@ -10,6 +10,10 @@ from the last chunk to the first carrying only the state gradients (``hla2_bwd_s
 segmented the same way with ``hla2_bwd_fold_kernel``), then every chunk's dq, dk, dv in parallel
 (``hla2_bwd_grad_kernel``), split over the launches ``config.grad_parts`` names. The gradient of the
 log-gates g follows from dq, dk, dv (see ``hla2_bwd_grad_kernel``) plus the final state's share.
+In pieces (``config.bwd_pieces``): the walk and the per-chunk launches run on the last piece of the
+chunks, then on the one before it from the state gradient the walk left at the piece's start, and so
+on, so that the chunk-end state gradients are held for one piece at a time (the chain rule is the
+same; only the order of the launches and the buffer's size change).
 
 Normalization: the forward carries the denominator's state z beside W in the same kernels and
 divides in-kernel. The backward differentiates the unnormalized operator on the value [v | 1] with
@@ -32,8 +36,8 @@ from torch.autograd.function import once_differentiable
 from ..common.config import ChunkConfig
 from ..common.gates import log_gamma, reverse_cumsum
 from ..common.launch import (
-    bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments, pow2_block,
-    split_segments,
+    backward_pieces, bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments,
+    pow2_block, split_segments,
 )
 from .chunk_kernels import (
     hla2_bwd_fold_kernel, hla2_bwd_grad_kernel, hla2_bwd_state_kernel, hla2_fwd_fold_kernel, hla2_fwd_kernel,
@@ -47,6 +51,10 @@ TILE_MAX = 128
 FEATURE_BLOCK = 64
 # fewest chunks a segment walks when segments are picked by occupancy
 MIN_SEGMENT_CHUNKS = 4
+# pieces of a wide head's one-segment backward walk, and the fewest chunks worth cutting (a piece
+# adds a walk launch and the gradient launches; below some 256 chunks the buffer it saves is small)
+BWD_PIECES = 4
+BWD_PIECES_MIN_CHUNKS = 256
 
 
 def bwd_value_width(K: int) -> int:
@@ -62,7 +70,7 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
                 chunk_size: int = 64) -> ChunkConfig:
     """The default layout for one call, by the measurements in ``benchmarks/results/``
     (``hla2_h200.md``, ``hla2_h200_variants.md``, ``hla2_h200_segments.md``; summarized in
-    hla_fast/README.md, "Why these layouts"):
+    hla_fast/README.md, "The configuration rule"):
 
     * heads up to 64 wide: chunks of ``chunk_size`` forward and at most 64 backward; wider heads:
       chunks of at most 32 in both passes (fewer live tiles a program);
@@ -73,6 +81,11 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
       segmented only with 4-warp programs (the fold's fp32 product of two 128-wide tiles does not
       fit in shared memory);
     * gradients from two launches, dq and (dk, dv);
+    * heads wider than 64 with a one-segment backward walk over at least BWD_PIECES_MIN_CHUNKS
+      chunks walk it in BWD_PIECES pieces: the chunk-end state gradients are kept for a quarter of
+      the sequence at a time instead of all of it, which at K = V = 128 is the difference between
+      the training peak being 1.50x fla's and 1.13x at the same speed (``hla2_h200_pieces.md``,
+      ``hla2_h200_ab_pieces.json``);
     * the forward keeps its chunk-start states for the backward for heads wider than 64, when both
       use one chunk size and the backward runs one value block; at K = V = 64 the backward
       recomputes them, which was faster than storing and reading them in two runs on two machines
@@ -95,9 +108,11 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     fwd_seg = one_wave_segments(n_v * B * H, cdiv(T, fwd_chunk), device, 2 if fwd_warps == 4 else 1,
                                 MIN_SEGMENT_CHUNKS)
     bwd_seg = one_wave_segments(B * H, cdiv(T, bwd_chunk), device, 2, MIN_SEGMENT_CHUNKS) if bwd_warps == 4 else 1
+    pieces = BWD_PIECES if (wide and bwd_seg == 1 and cdiv(T, bwd_chunk) >= BWD_PIECES_MIN_CHUNKS) else 1
     return ChunkConfig(fwd_chunk=fwd_chunk, bwd_chunk=bwd_chunk, fwd_segments=fwd_seg, bwd_segments=bwd_seg,
                        fwd_warps=fwd_warps, bwd_warps=bwd_warps, fwd_block_v=block_v, grad_parts=(1, 6),
-                       save_states=wide and fwd_chunk == bwd_chunk and V <= bwd_value_width(K), bf16_snapshots=True)
+                       save_states=wide and fwd_chunk == bwd_chunk and V <= bwd_value_width(K), bf16_snapshots=True,
+                       bwd_pieces=pieces)
 
 
 def _inner_pair(q, k, q2, k2):
@@ -245,28 +260,46 @@ def bwd_launch(q, k, v, do, g, gamma, s0, w0, dht_s, dht_w, cfg: ChunkConfig, *,
         sum_lr = torch.empty(BH * nseg, device=dev, dtype=f32)
         hla2_bwd_state_kernel[(nseg, BH)](
             q=q, q2=q2, v=v, do=do, g=g, ds_end=sum_s, dw_end=sum_w, de_s=None, de_w=None, dh0_s=None, dh0_w=None,
-            sum_p=sum_p, sum_lr=sum_lr, log_gamma=lg, T=T, NS=NS, **common)
+            sum_p=sum_p, sum_lr=sum_lr, log_gamma=lg, T=T, NS=NS, C0=0, NP=NT, **common)
         de = (torch.empty(BH * nseg, K, K2, device=dev, dtype=f32), torch.empty(BH * nseg, K, V, device=dev, dtype=f32))
         hla2_bwd_fold_kernel[(BH,)](
             sum_s=sum_s, sum_w=sum_w, sum_p=sum_p, sum_lr=sum_lr, dht_s=dht_s if has_dht else None,
             dht_w=dht_w if has_dht else None, de_s=de[0], de_w=de[1], dh0_s=dh0[0], dh0_w=dh0[1], NSEG=nseg,
             K=K, K2=K2, V=V, BK=BK, BV=BV, PREC=flags["PREC"], num_warps=nw)
         walk_dh0 = (None, None)
-    # -- the walk: every chunk's end-state gradient ------------------------------------------------
-    ds_end, dw_end = torch.empty_like(cs_s), torch.empty_like(cs_w)
-    hla2_bwd_state_kernel[(nseg, BH)](
-        q=q, q2=q2, v=v, do=do, g=g, ds_end=ds_end, dw_end=dw_end, de_s=de[0], de_w=de[1],
-        dh0_s=walk_dh0[0], dh0_w=walk_dh0[1], sum_p=None, sum_lr=None, log_gamma=lg, T=T, NS=NS, **common)
-    # -- every chunk's gradients, in the launches the config names ----------------------------------
+    # -- the walk (every chunk's end-state gradient), then every chunk's gradients in the launches
+    #    the config names; piece by piece, the last first, each walk starting from the gradient
+    #    the later piece left at its start --------------------------------------------------------
+    if cfg.bwd_pieces > 1 and nseg > 1:
+        raise ValueError(f"config.bwd_pieces={cfg.bwd_pieces} needs a backward walk of one segment, "
+                         f"but this one has {nseg} (config.bwd_segments={cfg.bwd_segments}); use bwd_segments=1")
+    starts, NP = backward_pieces(NT, cfg.bwd_pieces) if nseg == 1 else ([0], NT)
+    ds_end = torch.empty(BH, NP, K, K2, device=dev, dtype=cs_s.dtype)
+    dw_end = torch.empty(BH, NP, K, V, device=dev, dtype=cs_w.dtype)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dq2 = torch.empty_like(q2) if cross else dq
     dk2 = torch.empty_like(k2) if cross else dk
     db = torch.empty(len(cfg.grad_parts), B, T, H, device=dev, dtype=f32) if want_db else None
-    for i, parts in enumerate(cfg.grad_parts):
-        hla2_bwd_grad_kernel[(NT, BH)](
-            q=q, k=k, q2=q2, k2=k2, v=v, do=do, g=g, dq=dq, dk=dk, dq2=dq2, dk2=dk2, dv=dv,
-            db=None if db is None else db[i], cs_s=cs_s, cs_w=cs_w, ds_end=ds_end, dw_end=dw_end,
-            log_gamma=lg, T=T, CROSS=cross, PARTS=parts, **common)
+    carries = []
+    if len(starts) > 1:
+        # every piece's walk takes an end gradient and leaves its start gradient (zero in, scratch
+        # out where the call has none), so all of them are one specialization: one compile
+        carries = [(torch.empty(BH, K, K2, device=dev, dtype=f32), torch.empty(BH, K, V, device=dev, dtype=f32))
+                   for _ in range(2)]
+        if de[0] is None:
+            de = (torch.zeros(BH, K, K2, device=dev, dtype=f32), torch.zeros(BH, K, V, device=dev, dtype=f32))
+    for n, c0 in enumerate(starts):
+        start_grad = walk_dh0 if (c0 == 0 and (walk_dh0[0] is not None or not carries)) else carries[n % 2]
+        hla2_bwd_state_kernel[(nseg, BH)](
+            q=q, q2=q2, v=v, do=do, g=g, ds_end=ds_end, dw_end=dw_end, de_s=de[0], de_w=de[1],
+            dh0_s=start_grad[0], dh0_w=start_grad[1], sum_p=None, sum_lr=None, log_gamma=lg, T=T, NS=NS,
+            C0=c0, NP=NP, **common)
+        de = start_grad
+        for i, parts in enumerate(cfg.grad_parts):
+            hla2_bwd_grad_kernel[(min(NP, NT - c0), BH)](
+                q=q, k=k, q2=q2, k2=k2, v=v, do=do, g=g, dq=dq, dk=dk, dq2=dq2, dk2=dk2, dv=dv,
+                db=None if db is None else db[i], cs_s=cs_s, cs_w=cs_w, ds_end=ds_end, dw_end=dw_end,
+                log_gamma=lg, T=T, C0=c0, NP=NP, CROSS=cross, PARTS=parts, **common)
     return (dq, dk, dq2 if cross else None, dk2 if cross else None, dv, dh0[0], dh0[1],
             None if db is None else db.sum(0))
 
@@ -298,7 +331,9 @@ class HLA2ChunkFunction(torch.autograd.Function):
             q, k, v, g, gamma, s0, w0, z0, chunk=cfg.fwd_chunk, segments=cfg.fwd_segments, warps=cfg.fwd_warps,
             block_v=cfg.fwd_block_v, q2=q2, k2=k2, normalize=normalize, eps=eps, snapshots=snap)
         cs = (None, None) if cs is None else cs
-        ctx.save_for_backward(q, k, q2, k2, v, g, s0, w0, z0, o if normalize else None, den, sT, wT, zT, *cs)
+        # the final state is read back only for the log-gates' gradient (its own factor e^{b_T})
+        final = (sT, wT, zT) if g is not None and ctx.needs_input_grad[5] else (None, None, None)
+        ctx.save_for_backward(q, k, q2, k2, v, g, s0, w0, z0, o if normalize else None, den, *final, *cs)
         ctx.gamma, ctx.normalize, ctx.eps, ctx.cfg = gamma, normalize, eps, cfg
         return o, sT, wT, zT
 
@@ -319,8 +354,8 @@ class HLA2ChunkFunction(torch.autograd.Function):
             if s0 is not None:
                 w0 = _cat_last(w0, z0 if z0 is not None else torch.zeros_like(w0[..., 0]))
             if dwT is not None or dzT is not None:
-                dwT = torch.zeros_like(wT) if dwT is None else dwT
-                dzT = torch.zeros_like(zT) if dzT is None else dzT
+                dwT = dzT.new_zeros(*dzT.shape, V) if dwT is None else dwT
+                dzT = dwT.new_zeros(dwT.shape[:-1]) if dzT is None else dzT
                 dwT = _cat_last(dwT, dzT)
             wT = _cat_last(wT, zT)
         dq, dk, dq2, dk2, dv, ds0, dw0, db = bwd_launch(

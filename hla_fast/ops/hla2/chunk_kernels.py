@@ -407,16 +407,18 @@ def _dstate_step(d_s, d_w, b_qt, b_q2, b_vgt, b_dn, b_do, g1, g2, gC,
     "STORE_DH0": lambda a: a["dh0_s"] is not None,
     "SUMMARY": lambda a: a["sum_p"] is not None,
 })
-@triton.jit
+@triton.jit(do_not_specialize=["C0", "NP"])
 def hla2_bwd_state_kernel(
     q, q2, v, do, g,       # q: [B, T, H, K]; q2: [B, T, H, K2]; v, do: [B, T, H, V]; g or None
-    ds_end, dw_end,        # out: gradient of each chunk's END state [B*H, NT, K, K2], [.., K, V]
-                           #      (SUMMARY: the segment's start-state gradient [B*H*NSEG, ..])
+    ds_end, dw_end,        # out: gradient of each chunk's END state [B*H, NP, K, K2], [.., K, V],
+                           #      chunk C0 + i at i (SUMMARY: the segment's start-state gradient
+                           #      [B*H*NSEG, ..])
     de_s, de_w,            # gradient of each segment's END state, fp32 [B*H*NSEG, ..]; or None (zero)
     dh0_s, dh0_w,          # out: gradient of the initial state [B*H, ..]; or None
     sum_p, sum_lr,         # SUMMARY out: P = sum_j exp(b_end - b_j) v_j q2_j^T [B*H*NSEG, V, K2],
                            #              log rho [B*H*NSEG]; or None
     log_gamma, T, NS,
+    C0, NP,                # the walk covers chunks [C0, min(C0 + NP, NT)) (a piece of the sequence)
     H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
@@ -424,12 +426,17 @@ def hla2_bwd_state_kernel(
 ):
     """One program per (segment, batch*head) walks its chunks from last to first carrying only the
     state gradients (dS, dW), storing each chunk's end-state gradient for the per-chunk kernel.
-    SUMMARY: walk from a zero end gradient and store the segment's backward summary instead."""
+    SUMMARY: walk from a zero end gradient and store the segment's backward summary instead.
+
+    C0, NP: the chunks this launch walks (segments of NS chunks from C0, none past C0 + NP or the
+    last chunk) and the per-head length of the ds_end buffer. A backward in pieces walks the
+    sequence's last piece first, starting each piece from the gradient the later one stored in
+    dh0, and reuses one piece-sized buffer; not in pieces, C0 = 0 and NP = NT."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     NSEG = tl.num_programs(0)
     NT = tl.cdiv(T, BT)
-    lo = i_n * NS
-    hi = tl.minimum(lo + NS, NT)
+    lo = C0 + i_n * NS
+    hi = tl.minimum(tl.minimum(lo + NS, C0 + NP), NT)
     i_sg = i_bh.to(tl.int64) * NSEG + i_n
     off_k, off_k2, off_v, off_g = _head_offsets(i_bh, T, H, K, K2, V)
     rt = tl.arange(0, BT)
@@ -442,8 +449,8 @@ def hla2_bwd_state_kernel(
     for i_r in range(0, hi - lo):
         i_c = hi - 1 - i_r
         if not SUMMARY:
-            store_mat(ds_end + (i_bh.to(tl.int64) * NT + i_c) * K * K2, d_s, rk, mk, rk, mk2, K2)
-            store_mat(dw_end + (i_bh.to(tl.int64) * NT + i_c) * K * V, d_w, rk, mk, rv, mv, V)
+            store_mat(ds_end + (i_bh.to(tl.int64) * NP + i_c - C0) * K * K2, d_s, rk, mk, rk, mk2, K2)
+            store_mat(dw_end + (i_bh.to(tl.int64) * NP + i_c - C0) * K * V, d_w, rk, mk, rv, mv, V)
         t = i_c * BT + rt
         mt = t < T
         b_qt = load_cols(q + off_k, t, mt, rk, mk, H * K, IS_BF16)
@@ -516,14 +523,15 @@ def _store_pair(d, d2, off_k, off_k2, t, m_tk, m_tk2, rk, b_d, b_d2,
     "HAS_G": lambda a: a["g"] is not None,
     "HAS_DB": lambda a: a["db"] is not None,
 })
-@triton.jit
+@triton.jit(do_not_specialize=["C0", "NP"])
 def hla2_bwd_grad_kernel(
     q, k, q2, k2, v, do, g,  # inputs as in the forward; do: [B, T, H, V]
     dq, dk, dq2, dk2, dv,    # out: gradients, same shapes and dtypes (dq2, dk2 written when CROSS)
     db,                      # out: this launch's share of dL/db_t, fp32 [B, T, H]; or None
     cs_s, cs_w,              # chunk-start snapshots [B*H, NT, K, K2], [B*H, NT, K, V]
-    ds_end, dw_end,          # chunk-end state gradients (hla2_bwd_state_kernel), same shapes
+    ds_end, dw_end,          # chunk-end state gradients (hla2_bwd_state_kernel) [B*H, NP, ..]: chunk C0 + i at i
     log_gamma, T,
+    C0, NP,                  # this launch's chunks: program i does chunk C0 + i
     H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DECAY: tl.constexpr, CROSS: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
@@ -539,7 +547,7 @@ def hla2_bwd_grad_kernel(
     j = s, k_s twice those with i = s, v_s those with j = s, hence
     dL/db_s = 2 q.dq - 1/2 k.dk - 3 v.dv (plain HLA2) or 2 q.dq - k.dk - v.dv (cross, outer pair).
     Each launch adds the part its gradients give."""
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_c, i_bh = C0 + tl.program_id(0), tl.program_id(1)
     NT = tl.cdiv(T, BT)
     off_k, off_k2, off_v, off_g = _head_offsets(i_bh, T, H, K, K2, V)
     rt = tl.arange(0, BT)
@@ -570,10 +578,12 @@ def hla2_bwd_grad_kernel(
     b_s0 = cast(load_mat(cs_s + off_s, rk, mk, rk, mk2, K2), IS_BF16)
     b_s0t = cast(load_mat_t(cs_s + off_s, rk, mk2, rk, mk, K2), IS_BF16)
     b_w0t = cast(load_mat_t(cs_w + off_w, rv, mv, rk, mk, V), IS_BF16)
-    d_s = load_mat(ds_end + off_s, rk, mk, rk, mk2, K2)
-    d_st = load_mat_t(ds_end + off_s, rk, mk2, rk, mk, K2)
-    d_w = load_mat(dw_end + off_w, rk, mk, rv, mv, V)
-    d_wt = load_mat_t(dw_end + off_w, rv, mv, rk, mk, V)
+    off_ds = (i_bh.to(tl.int64) * NP + i_c - C0) * K * K2
+    off_dw = (i_bh.to(tl.int64) * NP + i_c - C0) * K * V
+    d_s = load_mat(ds_end + off_ds, rk, mk, rk, mk2, K2)
+    d_st = load_mat_t(ds_end + off_ds, rk, mk2, rk, mk, K2)
+    d_w = load_mat(dw_end + off_dw, rk, mk, rv, mv, V)
+    d_wt = load_mat_t(dw_end + off_dw, rv, mv, rk, mk, V)
     G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
     b_dq, b_dk, b_dq2, b_dk2, b_dv = _bwd_chunk_grads(
         b_q, b_qt, b_k, b_kt, b_q2, b_q2t, b_k2, b_k2t, b_v, b_vt, b_do, b_dot,

@@ -32,7 +32,7 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..common.config import ChunkConfig
+from ..common.config import ChunkConfig, check_one_piece
 from ..common.gates import log_gamma, reverse_cumsum
 from ..common.launch import (
     autograd_records, bf16_dots, cdiv, dot_precision, min_key_block, min_value_block, one_wave_segments, pow2_block, split_segments,
@@ -273,7 +273,9 @@ class HLA3ChunkFunction(torch.autograd.Function):
                                      block_v=cfg.fwd_block_v, segments=cfg.fwd_segments, snapshots=save,
                                      o_dtype=o_dtype)
         cs = (None, None, None) if cs is None else cs
-        ctx.save_for_backward(q, k, v, g, s0, p0, f0, sT, pT, fT, *cs)
+        # the final state is read back only for the log-gates' gradient (its own factor e^{b_T})
+        final = (sT, pT, fT) if g is not None and ctx.needs_input_grad[3] else (None, None, None)
+        ctx.save_for_backward(q, k, v, g, s0, p0, f0, *final, *cs)
         ctx.gamma, ctx.cfg = gamma, cfg
         return o, sT, pT, fT
 
@@ -333,6 +335,7 @@ def hla3_chunked(q, k, v, g, gamma, state, normalize, eps, config=None, chunk_si
     if state is not None:
         p0, f0 = p0.contiguous(), f0.contiguous()
     cfg = config if config is not None else hla3_config(B, T, H, K, vv.shape[-1], q.dtype, q.device, chunk_size)
+    check_one_piece(cfg, "hla3")
     if autograd_records(q, k, v, g, s0, p0, f0):
         check_grad_layout(cfg, K, q.dtype, q.device)
     o, S, P, F = HLA3ChunkFunction.apply(q, k, vv, g, s0, p0, f0, gamma, cfg,
