@@ -5,8 +5,9 @@ The earlier package is extracted from git into a temporary folder and imported u
 so both run on the same GPU, inputs and Triton. bf16, B=4, H=16, T=32768 (``--T``), gamma=0.999,
 K=V in {64, 128} (``--dims``), ``--gates`` (log-gates that require grad instead of gamma),
 ``--normalize`` (on |q| and |k|); medians of triton.testing.do_bench (ms) of the whole call, forward
-under no_grad and forward + backward, and the relative difference of the two revisions' outputs
-and input gradients. On a CUDA machine, from the repository root:
+under no_grad and forward + backward, the peak memory one forward + backward allocates beyond
+what was allocated before it (the inputs, do and the previous call's gradients), and the relative
+difference of the two revisions' outputs and input gradients. On a CUDA machine, from the repository root:
 
     python benchmarks/ab_revision.py --rev 62e7c2f --out benchmarks/results/hla2_h200_ab.json
     python benchmarks/ab_revision.py --op ahla --rev 3c5b091 --out benchmarks/results/ahla_h200_ab.json
@@ -43,7 +44,8 @@ def extract(rev: str, dest: pathlib.Path) -> str:
 
 def time_call(op, q, k, v, do, g=None, normalize=False):
     """Forward and forward + backward medians (ms) of op(q, k, v) with gamma=0.999, or with the
-    log-gates g (a leaf that requires grad) when given, and (o, dq, dk, dv[, dg])."""
+    log-gates g (a leaf that requires grad) when given, the MB one forward + backward allocates at
+    its peak beyond what was allocated before it, and (o, dq, dk, dv[, dg])."""
     inputs = (q, k, v) if g is None else (q, k, v, g)
     leaves = [x.detach().clone().requires_grad_() for x in inputs]
 
@@ -66,8 +68,15 @@ def time_call(op, q, k, v, do, g=None, normalize=False):
     o = fwd_bwd().detach()
     out = (o, *(x.grad.clone() for x in leaves))
     torch.cuda.synchronize()
-    return (do_bench(fwd, warmup=10, rep=50, return_mode="median"),
-            do_bench(fwd_bwd, warmup=10, rep=50, return_mode="median"), out)
+    times = (do_bench(fwd, warmup=10, rep=50, return_mode="median"),
+             do_bench(fwd_bwd, warmup=10, rep=50, return_mode="median"))
+    # peak memory of one forward + backward beyond what was allocated before it (inputs, do, grads)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    return (*times, (torch.cuda.max_memory_allocated() - base) / 1e6, out)
 
 
 def rel(a, b):
@@ -109,8 +118,8 @@ def main():
         do = torch.randn_like(v)
         outs = {}
         for label, mod in ((args.rev, old), ("this tree", new)):
-            f, fb, outs[label] = time_call(getattr(mod, args.op), q, k, v, do, g=g, normalize=args.normalize)
-            rows.append({"K": D, "code": label, "fwd_ms": f, "fwdbwd_ms": fb})
+            f, fb, mb, outs[label] = time_call(getattr(mod, args.op), q, k, v, do, g=g, normalize=args.normalize)
+            rows.append({"K": D, "code": label, "fwd_ms": f, "fwdbwd_ms": fb, "fwdbwd_peak_extra_mb": mb})
             print(rows[-1], flush=True)
         rows[-1]["rel_diff_to_rev"] = {n: rel(a, b) for n, a, b in zip(("o", "dq", "dk", "dv", "dg"), outs["this tree"],
                                                                      outs[args.rev])}

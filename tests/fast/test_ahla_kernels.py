@@ -19,6 +19,7 @@ import hla_fast
 from hla_fast import AHLAState, ChunkConfig
 from hla_fast.ops.ahla.naive import ahla_naive_recurrent
 from hla_fast.ops.common.launch import bf16_dots
+from hla_fast.ops.common import launch
 
 chunk = importlib.import_module("hla_fast.ops.ahla.chunk")
 decode = importlib.import_module("hla_fast.ops.ahla.decode")
@@ -193,6 +194,10 @@ def test_config_rule_and_wide_segments_refused(device):
     assert wide.fwd_warps == (4 if bf16_dots(torch.bfloat16) else 8)   # bf16 dots: a GPU
     train = chunk.ahla_config(2, 4096, 4, 128, 128, torch.bfloat16, torch.device(device), 64, training=True)
     assert train.fwd_chunk == train.bwd_chunk == 32 and train.save_states and train.fwd_warps == 8
+    assert train.bwd_pieces == 1 and wide.bwd_pieces == 1   # 128 chunks: one piece
+    long = chunk.ahla_config(4, 32768, 16, 128, 128, torch.bfloat16, torch.device(device), 64, training=True)
+    assert long.bwd_segments == 1 and long.bwd_pieces == launch.BWD_PIECES  # 1024 chunks in one segment
+    assert chunk.ahla_config(4, 32768, 16, 128, 128, torch.bfloat16, torch.device(device), 64).bwd_pieces == 1
     assert chunk.ahla_config(2, 4096, 4, 64, 64, torch.bfloat16, torch.device(device), 64, training=True) == cfg
     widest = chunk.ahla_config(1, 4096, 1, 256, 64, torch.bfloat16, torch.device(device), 64)
     assert widest.fwd_segments == widest.bwd_segments == 1 and widest.fwd_chunk == 32
@@ -250,7 +255,7 @@ for K, V, dtype, normalize in json.loads(sys.argv[1]):
     snap = "*bf16" if snap_dtype == torch.bfloat16 else "*fp32"
     dst = "*bf16" if chunk._dstate_dtype(snap_dtype, BK) == torch.bfloat16 else "*fp32"
     types = dict(q=el, k=el, v=el, do=el, dq=el, dk=el, dv=el, g="*fp32", db="*fp32", cs_p=snap, cs_e=snap,
-                 dp_end=dst, de_end=dst, log_gamma="fp32", T="i32")
+                 dp_end=dst, de_end=dst, log_gamma="fp32", T="i32", C0="i32", NP="i32")
     consts = dict(H=2, K=K, V=Vn, BT=cfg.bwd_chunk, BK=BK, BV=BV, HAS_DECAY=True, IS_BF16=launch.bf16_dots(dtype),
                   PREC=chunk.grad_precision(dtype), HAS_G=True, HAS_DB=True,
                   KEYS_PER_BLOCK=chunk.grad_keys_per_block(launch.cdiv(Vn, BV), BK, dtype), PARTS=cfg.grad_parts[0])
@@ -311,6 +316,29 @@ def test_segments_equal_one_walk(segments, normalize, device, poison):
                            _cfg().replace(fwd_segments=segments, bwd_segments=segments), want_db=True)
     for x, y in zip(one, seg):
         assert rel(y, x) < 1e-6
+
+
+@pytest.mark.parametrize("pieces", [2, 3, 6])
+@pytest.mark.parametrize("init", [False, True])
+@pytest.mark.parametrize("dht", [False, True])
+def test_backward_in_pieces_equals_one_walk(pieces, init, dht, device, poison):
+    """A backward walked in pieces (the last first, each from the gradient the later one left at
+    its start; common.launch.run_pieces) gives the one walk's gradients, with or without an
+    initial state and final-state cotangents; 77 tokens in chunks of 16: 5 chunks, so 6 pieces are 5
+    and two value blocks of 16 walk side by side."""
+    B, T, H, K, V = 2, 77, 2, 12, 20
+    q, k, v, g = _inputs(device, B, T, H, K, V, seed=22)
+    gen = torch.Generator().manual_seed(23)
+    p0, e0 = ([0.2 * torch.randn(B, H, K, V, generator=gen).to(device) for _ in range(2)] if init
+              else [None, None])
+    do = torch.randn(B, T, H, V, generator=gen).to(device)
+    d_t = [torch.randn(B, H, K, V, generator=gen).to(device) for _ in range(2)] if dht else [None, None]
+    one = chunk.bwd_launch(q, k, v, do, g, None, p0, e0, *d_t, _cfg(), want_db=True)
+    cut = chunk.bwd_launch(q, k, v, do, g, None, p0, e0, *d_t, _cfg().replace(bwd_pieces=pieces), want_db=True)
+    for x, y in zip(one, cut):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert rel(y, x) < 1e-6
 
 
 @pytest.mark.parametrize("normalize", [False, True])

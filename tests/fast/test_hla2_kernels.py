@@ -198,7 +198,7 @@ def test_configuration_rule(monkeypatch):
     c = hla_fast.hla2_config(4, 32768, 16, 128, 128, torch.bfloat16, cuda)
     # 128 eight-warp programs (two value blocks a head), one a multiprocessor: one segment
     assert (c.fwd_chunk, c.bwd_chunk, c.fwd_warps, c.fwd_segments, c.bwd_segments) == (32, 32, 8, 1, 1)
-    assert c.save_states and c.bwd_pieces == chunk.BWD_PIECES  # 1024 chunks: the walk in pieces
+    assert c.save_states and c.bwd_pieces == launch.BWD_PIECES  # 1024 chunks: the walk in pieces
     c = hla_fast.hla2_config(4, 4096, 16, 128, 128, torch.bfloat16, cuda)
     assert c.bwd_pieces == 1  # 128 chunks: too few to be worth the launches
     c = hla_fast.hla2_config(4, 32768, 16, 64, 128, torch.bfloat16, cuda)

@@ -27,10 +27,11 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..common.config import ChunkConfig, check_one_piece
+from ..common.config import ChunkConfig
 from ..common.gates import log_gamma, reverse_cumsum
 from ..common.launch import (
-    autograd_records, bf16_dots, cdiv, dot_precision, min_key_block, min_value_block, one_wave_segments, pow2_block, split_segments,
+    autograd_records, bf16_dots, cdiv, dot_precision, min_key_block, min_value_block, one_wave_segments, plan_pieces,
+    pow2_block, rule_pieces, run_pieces, split_segments,
 )
 from .chunk_kernels import (
     ahla_bwd_fold_kernel, ahla_bwd_grad_kernel, ahla_bwd_state_kernel, ahla_bwd_summary_kernel, ahla_fwd_fold_kernel,
@@ -72,7 +73,10 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     * segments: as many as keep every program in one wave (two programs a multiprocessor for key
       tiles up to 64 wide, one for 128), at least MIN_SEGMENT_CHUNKS chunks each; one for keys
       wider than SEGMENT_MAX_K;
-    * the forward keeps its chunk-start states for the backward when both use one chunk size.
+    * the forward keeps its chunk-start states for the backward when both use one chunk size;
+    * training heads wider than 64 whose backward walk is one segment walk it in pieces, HLA2's rule
+      (``common.launch.rule_pieces``): the chunk-end state gradients for a quarter of the sequence
+      at a time (``ahla_h200_ab_pieces.json``).
     Off CUDA (the interpreter) every walk is one segment. The result is immutable, so it is cached
     per shape.
 
@@ -103,7 +107,8 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
         bwd_seg = one_wave_segments(cdiv(V, bwd_bv) * B * H, cdiv(T, bwd_chunk), device, per_sm, MIN_SEGMENT_CHUNKS)
     return ChunkConfig(fwd_chunk=fwd_chunk, bwd_chunk=bwd_chunk, fwd_segments=fwd_seg, bwd_segments=bwd_seg,
                        fwd_warps=fwd_warps, bwd_warps=bwd_warps, fwd_block_v=block_v, grad_parts=(7,),
-                       save_states=fwd_chunk == bwd_chunk, bf16_snapshots=True)
+                       save_states=fwd_chunk == bwd_chunk, bf16_snapshots=True,
+                       bwd_pieces=rule_pieces(wide and training, bwd_seg, cdiv(T, bwd_chunk)))
 
 
 def bwd_blocks(K: int, V: int, device: torch.device):
@@ -132,9 +137,7 @@ def grad_keys_per_block(n_value_blocks: int, BK: int, dtype: torch.dtype) -> boo
 
 
 def _check_config(cfg: ChunkConfig, K: int):
-    """Refuse a layout the kernels cannot run: segments for keys wider than SEGMENT_MAX_K, and a
-    backward in pieces (HLA2's only)."""
-    check_one_piece(cfg, "ahla")
+    """Refuse a layout the kernels cannot run: segments for keys wider than SEGMENT_MAX_K."""
     if K > SEGMENT_MAX_K and (cfg.fwd_segments != 1 or cfg.bwd_segments != 1):
         raise ValueError(f"ahla runs keys wider than {SEGMENT_MAX_K} (K={K}) in one segment: config.fwd_segments "
                          f"and config.bwd_segments must be 1, got {cfg.fwd_segments} and {cfg.bwd_segments}")
@@ -262,21 +265,30 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
         ahla_bwd_fold_kernel[(NV, BH)](
             **sums, dht_p=dht_p if has_dht else None, dht_e=dht_e if has_dht else None, de_p=de[0], de_e=de[1],
             NSEG=nseg, K=K, V=V, BK=BK, BV=BV, PREC=flags["PREC"], num_warps=nw)
-    # -- the walk: every chunk's end-state gradient ------------------------------------------------
+    # -- the walk (every chunk's end-state gradient), then every chunk's gradients in the launches
+    #    the config names; in pieces, the last first, as HLA2's backward (common.launch.run_pieces)
+    starts, NP = plan_pieces(NT, cfg, nseg)
     dst = _dstate_dtype(snap, BK)
-    dp_end = torch.empty(BH, NT, K, V, device=dev, dtype=dst)
-    de_end = torch.empty(BH, NT, K, V, device=dev, dtype=dst)
-    ahla_bwd_state_kernel[(NV, nseg, BH)](
-        q=q, k=k, do=do, g=g, dp_end=dp_end, de_end=de_end, de_p=de[0], de_e=de[1], dh0_p=dh0[0], dh0_e=dh0[1],
-        log_gamma=lg, T=T, NS=NS, **common)
-    # -- every chunk's gradients, in the launches the config names ----------------------------------
+    dp_end = torch.empty(BH, NP, K, V, device=dev, dtype=dst)
+    de_end = torch.empty(BH, NP, K, V, device=dev, dtype=dst)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     db = torch.empty(len(cfg.grad_parts), B, T, H, device=dev, dtype=f32) if want_db else None
-    for i, parts in enumerate(cfg.grad_parts):
-        ahla_bwd_grad_kernel[(NT, BH)](
-            q=q, k=k, v=v, do=do, g=g, dq=dq, dk=dk, dv=dv, db=None if db is None else db[i], cs_p=cs_p,
-            cs_e=cs_e, dp_end=dp_end, de_end=de_end, log_gamma=lg, T=T, PARTS=parts,
-            KEYS_PER_BLOCK=grad_keys_per_block(NV, BK, q.dtype), **dict(common, PREC=grad_precision(q.dtype)))
+
+    def pair(zero):
+        new = torch.zeros if zero else torch.empty
+        return new(BH, K, V, device=dev, dtype=f32), new(BH, K, V, device=dev, dtype=f32)
+
+    def step(c0, n, end_grad, start_grad):
+        ahla_bwd_state_kernel[(NV, nseg, BH)](
+            q=q, k=k, do=do, g=g, dp_end=dp_end, de_end=de_end, de_p=end_grad[0], de_e=end_grad[1],
+            dh0_p=start_grad[0], dh0_e=start_grad[1], log_gamma=lg, T=T, NS=NS, C0=c0, NP=NP, **common)
+        for i, parts in enumerate(cfg.grad_parts):
+            ahla_bwd_grad_kernel[(n, BH)](
+                q=q, k=k, v=v, do=do, g=g, dq=dq, dk=dk, dv=dv, db=None if db is None else db[i], cs_p=cs_p,
+                cs_e=cs_e, dp_end=dp_end, de_end=de_end, log_gamma=lg, T=T, C0=c0, NP=NP, PARTS=parts,
+                KEYS_PER_BLOCK=grad_keys_per_block(NV, BK, q.dtype), **dict(common, PREC=grad_precision(q.dtype)))
+
+    run_pieces(starts, NP, NT, de, dh0, pair, step)
     if db is not None:
         db = db[0] if len(cfg.grad_parts) == 1 else db.sum(0)
     return dq, dk, dv, dh0[0], dh0[1], db

@@ -367,13 +367,15 @@ def _dstate_step(b_qt, b_k, b_do, d_p, d_e, GT, g1, gl, gC, IS_BF16: tl.constexp
     "HAS_DHT": lambda a: a["de_p"] is not None,
     "STORE_DH0": lambda a: a["dh0_p"] is not None,
 })
-@triton.jit
+@triton.jit(do_not_specialize=["C0", "NP"])
 def ahla_bwd_state_kernel(
     q, k, do, g,             # q, k: [B, T, H, K]; do: [B, T, H, V]; g: [B, T, H] or None
-    dp_end, de_end,          # out: gradient of each chunk's END state (P, E) [B*H, NT, K, V], in the snapshots' dtype
+    dp_end, de_end,          # out: gradient of each chunk's END state (P, E) [B*H, NP, K, V], in the snapshots'
+                             #      dtype, chunk C0 + i at i
     de_p, de_e,              # gradient of each segment's END state, fp32 [B*H*NSEG, K, V]; or None (zero)
     dh0_p, dh0_e,            # out: gradient of the initial state, fp32 [B*H, K, V]; or None
     log_gamma, T, NS,
+    C0, NP,                  # the walk covers chunks [C0, min(C0 + NP, NT)) (a piece of the sequence)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
@@ -382,7 +384,7 @@ def ahla_bwd_state_kernel(
     """One program per (value block, segment, batch*head) walks its segment's chunks from last to
     first carrying the state gradients (dP, dE) of its value columns (``_dstate_step``), storing
     each chunk's end-state gradient for the per-chunk kernel; the first segment stores the initial
-    state's gradient."""
+    state's gradient (in pieces: the gradient at the piece's start, C0, as in HLA2's walk)."""
     i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NSEG = tl.num_programs(1)
     NT = tl.cdiv(T, BT)
@@ -392,16 +394,16 @@ def ahla_bwd_state_kernel(
     rv = i_v * BV + tl.arange(0, BV)
     mk = rk < K
     mv = rv < V
-    lo = i_n * NS
-    hi = tl.minimum(lo + NS, NT)
+    lo = C0 + i_n * NS
+    hi = tl.minimum(tl.minimum(lo + NS, C0 + NP), NT)
     i_sg = i_bh.to(tl.int64) * NSEG + i_n
     d_p = mat_or_zeros(de_p, i_sg * K * V, rk, mk, rv, mv, V, BK, BV, HAS_DHT)    # [BK, BV]
     d_e = mat_or_zeros(de_e, i_sg * K * V, rk, mk, rv, mv, V, BK, BV, HAS_DHT)    # [BK, BV]
     for i_r in range(0, hi - lo):
         i_c = hi - 1 - i_r
-        off_cs = (i_bh.to(tl.int64) * NT + i_c) * K * V
-        store_mat(dp_end + off_cs, d_p, rk, mk, rv, mv, V)
-        store_mat(de_end + off_cs, d_e, rk, mk, rv, mv, V)
+        off_d = (i_bh.to(tl.int64) * NP + i_c - C0) * K * V
+        store_mat(dp_end + off_d, d_p, rk, mk, rv, mv, V)
+        store_mat(de_end + off_d, d_e, rk, mk, rv, mv, V)
         t = i_c * BT + rt
         mt = t < T
         b_qt, b_k, b_do, GT, g1, gl, gC, bL = _dstate_tiles(q, k, do, g, off_k, off_v, off_g, log_gamma, t, mt,
@@ -548,14 +550,15 @@ def _chunk_key_tiles(q, k, g, off_k, off_g, log_gamma, t, mt, rk, mk,
     "HAS_G": lambda a: a["g"] is not None,
     "HAS_DB": lambda a: a["db"] is not None,
 })
-@triton.jit
+@triton.jit(do_not_specialize=["C0", "NP"])
 def ahla_bwd_grad_kernel(
     q, k, v, do, g,          # inputs as in the forward; do: [B, T, H, V]
     dq, dk, dv,              # out: gradients, same shapes and dtypes as q, k, v
     db,                      # out: dL/db_t without the final state's share, fp32 [B, T, H]; or None
     cs_p, cs_e,              # chunk-start snapshots [B*H, NT, K, V] (P0, E0)
-    dp_end, de_end,          # chunk-end state gradients (ahla_bwd_state_kernel), same shape and dtype
+    dp_end, de_end,          # chunk-end state gradients (ahla_bwd_state_kernel) [B*H, NP, K, V]: chunk C0 + i at i
     log_gamma, T,
+    C0, NP,                  # this launch's chunks: program i does chunk C0 + i
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
@@ -578,7 +581,7 @@ def ahla_bwd_grad_kernel(
 
     db: this launch's share of dL/db_s = q_s.dq_s - k_s.dk_s (module docstring, gate gradient):
     the shares of the launches are summed on the host."""
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_c, i_bh = C0 + tl.program_id(0), tl.program_id(1)
     NT = tl.cdiv(T, BT)
     off_k, off_v, off_g = _head_offsets(i_bh, T, H, K, V)
     rt = tl.arange(0, BT)
@@ -593,6 +596,7 @@ def ahla_bwd_grad_kernel(
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)
     b_dk = tl.zeros([BT, BK], dtype=tl.float32)
     off_cs = (i_bh.to(tl.int64) * NT + i_c) * K * V
+    off_d = (i_bh.to(tl.int64) * NP + i_c - C0) * K * V
     for i_v in range(0, tl.cdiv(V, BV)):
         rv = i_v * BV + tl.arange(0, BV)
         mv = rv < V
@@ -607,10 +611,10 @@ def ahla_bwd_grad_kernel(
         b_p0 = cast(load_mat(cs_p + off_cs, rk, mk, rv, mv, V), IS_BF16)           # [BK, BV]
         b_p0t = cast(load_mat_t(cs_p + off_cs, rv, mv, rk, mk, V), IS_BF16)        # [BV, BK]
         b_e0t = cast(load_mat_t(cs_e + off_cs, rv, mv, rk, mk, V), IS_BF16)        # [BV, BK]
-        d_p = load_mat(dp_end + off_cs, rk, mk, rv, mv, V)
-        d_pt = load_mat_t(dp_end + off_cs, rv, mv, rk, mk, V)
-        d_e = load_mat(de_end + off_cs, rk, mk, rv, mv, V)
-        d_et = load_mat_t(de_end + off_cs, rv, mv, rk, mk, V)
+        d_p = load_mat(dp_end + off_d, rk, mk, rv, mv, V)
+        d_pt = load_mat_t(dp_end + off_d, rv, mv, rk, mk, V)
+        d_e = load_mat(de_end + off_d, rk, mk, rv, mv, V)
+        d_et = load_mat_t(de_end + off_d, rv, mv, rk, mk, V)
         p_dq, p_dk, b_dv = _chunk_value_block_grads(
             b_q, b_qgt, b_k, b_kg, b_kgt, b_a, b_at, G, GT, g1, gl, b_v, b_vt, b_do, b_dot,
             b_p0, b_p0t, b_e0t, d_p, d_pt, d_e, d_et, IS_BF16, PREC)

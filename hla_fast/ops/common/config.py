@@ -31,7 +31,7 @@ class ChunkConfig:
     bwd_pieces: the backward walks the sequence in this many pieces, the last first, and keeps
         the chunk-end state gradients of one piece at a time (a piece-sized buffer instead of
         one as large as the chunk states); the same launches, in smaller grids. Needs a backward
-        walk of one segment (the wide heads'); operators without it take only 1.
+        walk of one segment (the wide heads'). HLA2 and AHLA; HLA3 takes only 1.
     """
 
     fwd_chunk: int = 64

@@ -88,11 +88,52 @@ def one_wave_segments(n_programs: int, n_chunks: int, device: torch.device, per_
     return max(1, min((per_sm * sm_count(device)) // n_programs, n_chunks // min_chunks))
 
 
+# pieces of a one-segment backward walk in the rules, and the fewest chunks worth cutting (a piece
+# adds a walk launch and the gradient launches; below some 256 chunks the buffer it saves is small)
+BWD_PIECES = 4
+BWD_PIECES_MIN_CHUNKS = 256
+
+
+def rule_pieces(wide: bool, bwd_segments: int, n_chunks: int) -> int:
+    """The rules' ``bwd_pieces``: BWD_PIECES for heads wider than 64 whose backward walk is one
+    segment over at least BWD_PIECES_MIN_CHUNKS chunks (there the chunk-end state gradients are
+    as large as the chunk states), else 1."""
+    return BWD_PIECES if (wide and bwd_segments == 1 and n_chunks >= BWD_PIECES_MIN_CHUNKS) else 1
+
+
 def backward_pieces(n_chunks: int, pieces: int):
     """(starts, per): the first chunk of each piece of a backward walked in ``pieces`` pieces, the
     last piece first, and the chunks per piece (the last may be shorter; no piece is empty)."""
     per = cdiv(n_chunks, max(1, min(int(pieces), n_chunks)))
     return list(range(0, n_chunks, per))[::-1], per
+
+
+def plan_pieces(n_chunks: int, cfg, nseg: int):
+    """(starts, per) of ``backward_pieces`` for ``cfg.bwd_pieces``; one piece for a segmented walk,
+    which cannot start a piece from the gradient of the next (ValueError if pieces were asked)."""
+    if cfg.bwd_pieces > 1 and nseg > 1:
+        raise ValueError(f"config.bwd_pieces={cfg.bwd_pieces} needs a backward walk of one segment, "
+                         f"but this one has {nseg} (config.bwd_segments={cfg.bwd_segments}); use bwd_segments=1")
+    return backward_pieces(n_chunks, cfg.bwd_pieces) if nseg == 1 else ([0], n_chunks)
+
+
+def run_pieces(starts, per: int, n_chunks: int, de, dh0, pair, step):
+    """Run a backward in pieces, the last first: ``step(c0, n, de, dh0)`` launches the walk of the
+    n chunks from c0, starting from the end gradient ``de`` and leaving the gradient at c0 in
+    ``dh0``, then the per-chunk gradients of those chunks. de, dh0: the whole sequence's end
+    gradient and where its start gradient goes (pairs of tensors, or (None, None): zero, nowhere).
+    ``pair(zero)`` allocates a pair of fp32 state-gradient buffers. With several pieces every walk
+    gets an end gradient (zeros in) and leaves a start gradient (scratch out), so all of them are
+    one specialization of the kernel: one compile."""
+    carries = []
+    if len(starts) > 1:
+        carries = [pair(False), pair(False)]
+        if de[0] is None:
+            de = pair(True)
+    for n, c0 in enumerate(starts):
+        out = dh0 if (c0 == 0 and (dh0[0] is not None or not carries)) else carries[n % 2]
+        step(c0, min(per, n_chunks - c0), de, out)
+        de = out
 
 
 def even_blocks(n: int, width: int):

@@ -36,8 +36,8 @@ from torch.autograd.function import once_differentiable
 from ..common.config import ChunkConfig
 from ..common.gates import log_gamma, reverse_cumsum
 from ..common.launch import (
-    backward_pieces, bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments,
-    pow2_block, split_segments,
+    bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments, plan_pieces,
+    pow2_block, rule_pieces, run_pieces, split_segments,
 )
 from .chunk_kernels import (
     hla2_bwd_fold_kernel, hla2_bwd_grad_kernel, hla2_bwd_state_kernel, hla2_fwd_fold_kernel, hla2_fwd_kernel,
@@ -51,10 +51,6 @@ TILE_MAX = 128
 FEATURE_BLOCK = 64
 # fewest chunks a segment walks when segments are picked by occupancy
 MIN_SEGMENT_CHUNKS = 4
-# pieces of a wide head's one-segment backward walk, and the fewest chunks worth cutting (a piece
-# adds a walk launch and the gradient launches; below some 256 chunks the buffer it saves is small)
-BWD_PIECES = 4
-BWD_PIECES_MIN_CHUNKS = 256
 
 
 def bwd_value_width(K: int) -> int:
@@ -82,10 +78,10 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
       fit in shared memory);
     * gradients from two launches, dq and (dk, dv);
     * heads wider than 64 with a one-segment backward walk over at least BWD_PIECES_MIN_CHUNKS
-      chunks walk it in BWD_PIECES pieces: the chunk-end state gradients are kept for a quarter of
-      the sequence at a time instead of all of it, which at K = V = 128 is the difference between
-      the training peak being 1.50x fla's and 1.13x at the same speed (``hla2_h200_pieces.md``,
-      ``hla2_h200_ab_pieces.json``);
+      chunks walk it in BWD_PIECES pieces (``common.launch.rule_pieces``): the chunk-end state
+      gradients are kept for a quarter of the sequence at a time instead of all of it, which at
+      K = V = 128 is the difference between the training peak being 1.50x fla's and 1.13x at the
+      same speed (``hla2_h200_pieces.md``, ``hla2_h200_ab_pieces.json``);
     * the forward keeps its chunk-start states for the backward for heads wider than 64, when both
       use one chunk size and the backward runs one value block; at K = V = 64 the backward
       recomputes them, which was faster than storing and reading them in two runs on two machines
@@ -108,11 +104,10 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     fwd_seg = one_wave_segments(n_v * B * H, cdiv(T, fwd_chunk), device, 2 if fwd_warps == 4 else 1,
                                 MIN_SEGMENT_CHUNKS)
     bwd_seg = one_wave_segments(B * H, cdiv(T, bwd_chunk), device, 2, MIN_SEGMENT_CHUNKS) if bwd_warps == 4 else 1
-    pieces = BWD_PIECES if (wide and bwd_seg == 1 and cdiv(T, bwd_chunk) >= BWD_PIECES_MIN_CHUNKS) else 1
     return ChunkConfig(fwd_chunk=fwd_chunk, bwd_chunk=bwd_chunk, fwd_segments=fwd_seg, bwd_segments=bwd_seg,
                        fwd_warps=fwd_warps, bwd_warps=bwd_warps, fwd_block_v=block_v, grad_parts=(1, 6),
                        save_states=wide and fwd_chunk == bwd_chunk and V <= bwd_value_width(K), bf16_snapshots=True,
-                       bwd_pieces=pieces)
+                       bwd_pieces=rule_pieces(wide, bwd_seg, cdiv(T, bwd_chunk)))
 
 
 def _inner_pair(q, k, q2, k2):
@@ -270,36 +265,30 @@ def bwd_launch(q, k, v, do, g, gamma, s0, w0, dht_s, dht_w, cfg: ChunkConfig, *,
     # -- the walk (every chunk's end-state gradient), then every chunk's gradients in the launches
     #    the config names; piece by piece, the last first, each walk starting from the gradient
     #    the later piece left at its start --------------------------------------------------------
-    if cfg.bwd_pieces > 1 and nseg > 1:
-        raise ValueError(f"config.bwd_pieces={cfg.bwd_pieces} needs a backward walk of one segment, "
-                         f"but this one has {nseg} (config.bwd_segments={cfg.bwd_segments}); use bwd_segments=1")
-    starts, NP = backward_pieces(NT, cfg.bwd_pieces) if nseg == 1 else ([0], NT)
+    starts, NP = plan_pieces(NT, cfg, nseg)
     ds_end = torch.empty(BH, NP, K, K2, device=dev, dtype=cs_s.dtype)
     dw_end = torch.empty(BH, NP, K, V, device=dev, dtype=cs_w.dtype)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dq2 = torch.empty_like(q2) if cross else dq
     dk2 = torch.empty_like(k2) if cross else dk
     db = torch.empty(len(cfg.grad_parts), B, T, H, device=dev, dtype=f32) if want_db else None
-    carries = []
-    if len(starts) > 1:
-        # every piece's walk takes an end gradient and leaves its start gradient (zero in, scratch
-        # out where the call has none), so all of them are one specialization: one compile
-        carries = [(torch.empty(BH, K, K2, device=dev, dtype=f32), torch.empty(BH, K, V, device=dev, dtype=f32))
-                   for _ in range(2)]
-        if de[0] is None:
-            de = (torch.zeros(BH, K, K2, device=dev, dtype=f32), torch.zeros(BH, K, V, device=dev, dtype=f32))
-    for n, c0 in enumerate(starts):
-        start_grad = walk_dh0 if (c0 == 0 and (walk_dh0[0] is not None or not carries)) else carries[n % 2]
+
+    def pair(zero):
+        new = torch.zeros if zero else torch.empty
+        return new(BH, K, K2, device=dev, dtype=f32), new(BH, K, V, device=dev, dtype=f32)
+
+    def step(c0, n, end_grad, start_grad):
         hla2_bwd_state_kernel[(nseg, BH)](
-            q=q, q2=q2, v=v, do=do, g=g, ds_end=ds_end, dw_end=dw_end, de_s=de[0], de_w=de[1],
+            q=q, q2=q2, v=v, do=do, g=g, ds_end=ds_end, dw_end=dw_end, de_s=end_grad[0], de_w=end_grad[1],
             dh0_s=start_grad[0], dh0_w=start_grad[1], sum_p=None, sum_lr=None, log_gamma=lg, T=T, NS=NS,
             C0=c0, NP=NP, **common)
-        de = start_grad
         for i, parts in enumerate(cfg.grad_parts):
-            hla2_bwd_grad_kernel[(min(NP, NT - c0), BH)](
+            hla2_bwd_grad_kernel[(n, BH)](
                 q=q, k=k, q2=q2, k2=k2, v=v, do=do, g=g, dq=dq, dk=dk, dq2=dq2, dk2=dk2, dv=dv,
                 db=None if db is None else db[i], cs_s=cs_s, cs_w=cs_w, ds_end=ds_end, dw_end=dw_end,
                 log_gamma=lg, T=T, C0=c0, NP=NP, CROSS=cross, PARTS=parts, **common)
+
+    run_pieces(starts, NP, NT, de, walk_dh0, pair, step)
     return (dq, dk, dq2 if cross else None, dk2 if cross else None, dv, dh0[0], dh0[1],
             None if db is None else db.sum(0))
 
