@@ -51,13 +51,10 @@ class ChunkConfig:
             x = getattr(self, name)
             if isinstance(x, bool) or x not in _CHUNKS:
                 raise ValueError(f"config.{name} must be one of {_CHUNKS}, got {x!r}")
-        for name in ("fwd_segments", "bwd_segments"):
+        for name in ("fwd_segments", "bwd_segments", "bwd_pieces"):
             x = getattr(self, name)
             if isinstance(x, bool) or not isinstance(x, int) or x < 1:
                 raise ValueError(f"config.{name} must be an int >= 1, got {x!r}")
-        x = self.bwd_pieces
-        if isinstance(x, bool) or not isinstance(x, int) or x < 1:
-            raise ValueError(f"config.bwd_pieces must be an int >= 1, got {x!r}")
         for name in ("fwd_warps", "bwd_warps"):
             x = getattr(self, name)
             if isinstance(x, bool) or x not in _WARPS:
@@ -78,10 +75,3 @@ class ChunkConfig:
     def replace(self, **changes) -> "ChunkConfig":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
-
-
-def check_one_piece(cfg: ChunkConfig, op: str) -> None:
-    """Refuse ``bwd_pieces`` other than 1 for an operator whose backward has no pieces."""
-    if cfg.bwd_pieces != 1:
-        raise ValueError(f"config.bwd_pieces must be 1 for {op} (its backward walks the sequence in one "
-                         f"piece), got {cfg.bwd_pieces}")
