@@ -68,6 +68,8 @@ def hopper_launchers(op):
         if hasattr(chunk, name):
             real = getattr(launch, name)
             setattr(chunk, name, lambda device, real=real: real(cuda))
+    if hasattr(chunk, "value_block"):
+        chunk.value_block = lambda V, block_v, device, real=launch.value_block: real(V, block_v, cuda)
     log = []
     for name in dir(chunk):
         if name.startswith(op + "_") and name.endswith("_kernel"):

@@ -120,6 +120,15 @@ def test_backward_pieces_are_the_chunk_ranges():
     assert launch.backward_pieces(8, 1) == ([0], 8)
 
 
+def test_value_block_never_below_the_device_minimum():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")   # only the device type is read
+    assert launch.value_block(64, 16, cpu) == 16 and launch.value_block(8, 64, cpu) == 16
+    assert launch.value_block(200, 64, cpu) == 64 and launch.value_block(40, 32, cpu) == 32
+    # on CUDA 16- and 32-wide value blocks crashed the forward (an illegal memory access): 64 there
+    assert launch.value_block(64, 16, cuda) == 64 and launch.value_block(64, 32, cuda) == 64
+    assert launch.value_block(8, 16, cuda) == 64 and launch.value_block(256, 128, cuda) == 128
+
+
 def test_backward_pieces_need_one_segment(device):
     q, k, v, g, S0, W0, _ = _inputs(device, T=80)
     with pytest.raises(ValueError, match="bwd_pieces=2 needs a backward walk of one segment"):

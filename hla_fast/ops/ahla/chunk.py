@@ -19,6 +19,10 @@ applied to a column of ones), so the same kernels give every gradient.
 
 The autograd Function's passes call the plain functions :func:`ahla_fwd` and :func:`ahla_bwd`,
 whose arguments are tensors (or None) and numbers only.
+
+Launches go through each launcher's ``launch`` argument (``common.compile.launch_kernel``); the entry
+point first has ``common.compile.compile_ahead`` rehearse a new call with a recorder there and compile
+its kernels at once.
 """
 from __future__ import annotations
 
@@ -27,11 +31,12 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..common.compile import compile_ahead, launch_kernel
 from ..common.config import ChunkConfig
 from ..common.gates import log_gamma, reverse_cumsum
 from ..common.launch import (
     autograd_records, bf16_dots, cdiv, dot_precision, min_key_block, min_value_block, one_wave_segments, plan_pieces,
-    pow2_block, rule_pieces, run_pieces, split_segments,
+    pow2_block, rule_pieces, run_pieces, split_segments, value_block,
 )
 from .chunk_kernels import (
     ahla_bwd_fold_kernel, ahla_bwd_grad_kernel, ahla_bwd_state_kernel, ahla_bwd_summary_kernel, ahla_fwd_fold_kernel,
@@ -164,7 +169,7 @@ def _common(q, gamma, g):
 
 
 def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, segments=1, outputs=True,
-               normalize=False, eps=0.0, store_final=True, snapshots=None):
+               normalize=False, eps=0.0, store_final=True, snapshots=None, launch=launch_kernel):
     """Run the forward walk (after the segment summaries and fold when ``segments > 1``).
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] or None; all contiguous. p0, e0: fp32
@@ -177,7 +182,7 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
     V = v.shape[-1]
     BH, dev, f32 = B * H, q.device, torch.float32
     BK = pow2_block(K, min_key_block(dev))
-    BV = min(pow2_block(V, min_value_block(dev)), block_v)
+    BV = value_block(V, block_v, dev)
     NV, NT = cdiv(V, BV), cdiv(T, chunk)
     NS, nseg = split_segments(NT, segments)
     flags, lg = _common(q, gamma, g)
@@ -199,9 +204,9 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
         sums = dict(sum_p=kv(), sum_e=kv(), sum_pn=kvec(), sum_en=kvec(),
                     sum_r=torch.empty(BH * nseg, K, K, device=dev, dtype=f32),
                     sum_lr=torch.empty(BH * nseg, device=dev, dtype=f32))
-        ahla_fwd_summary_kernel[(NV, nseg, BH)](q=q, k=k, v=v, g=g, **sums, log_gamma=lg, T=T, NS=NS, **kw)
+        launch(ahla_fwd_summary_kernel, (NV, nseg, BH), q=q, k=k, v=v, g=g, **sums, log_gamma=lg, T=T, NS=NS, **kw)
         seg = (kv(), kv(), kvec(), kvec())
-        ahla_fwd_fold_kernel[(NV, BH)](
+        launch(ahla_fwd_fold_kernel, (NV, BH),
             **sums, h0_p=p0, h0_e=e0, h0_pn=pn0, h0_en=en0, seg_p=seg[0], seg_e=seg[1], seg_pn=seg[2],
             seg_en=seg[3], NSEG=nseg, K=K, V=V, BK=BK, BV=BV, PREC=flags["PREC"], num_warps=warps)
         h0 = seg
@@ -215,7 +220,7 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
     cs = None
     if snapshots is not None:
         cs = tuple(torch.empty(BH, NT, K, V, device=dev, dtype=snapshots) for _ in range(2))
-    ahla_fwd_kernel[(NV, nseg, BH)](
+    launch(ahla_fwd_kernel, (NV, nseg, BH),
         q=q, k=k, v=v, g=g, o=o, den=den, h0_p=h0[0], h0_e=h0[1], h0_pn=h0[2], h0_en=h0[3],
         ht_p=ht[0], ht_e=ht[1], ht_pn=ht[2], ht_en=ht[3],
         cs_p=None if cs is None else cs[0], cs_e=None if cs is None else cs[1],
@@ -223,7 +228,8 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
     return o, den, ht[0], ht[1], ht[2], ht[3], cs
 
 
-def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *, states=None, want_db=False):
+def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *, states=None, want_db=False,
+               launch=launch_kernel):
     """Gradients of the unnormalized operator.
 
     q, k: [B, T, H, K]; v, do: [B, T, H, V]; g: [B, T, H] or None; p0, e0: fp32 initial state
@@ -241,7 +247,8 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
     snap = _snapshot_dtype(cfg, q.dtype)
     if states is None or states[0].dtype != snap:
         states = fwd_launch(q, k, v, g, gamma, p0, e0, None, None, chunk=BT, warps=nw, block_v=cfg.fwd_block_v,
-                            segments=cfg.fwd_segments, outputs=False, store_final=False, snapshots=snap)[6]
+                            segments=cfg.fwd_segments, outputs=False, store_final=False, snapshots=snap,
+                            launch=launch)[6]
     cs_p, cs_e = states
     do = do.contiguous()
     flags, lg = _common(q, gamma, g)
@@ -260,9 +267,10 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
                     sum_de=torch.empty(BH * nseg, K, V, device=dev, dtype=f32),
                     sum_rt=torch.empty(BH * nseg, K, K, device=dev, dtype=f32),
                     sum_lr=torch.empty(BH * nseg, device=dev, dtype=f32))
-        ahla_bwd_summary_kernel[(NV, nseg, BH)](q=q, k=k, do=do, g=g, **sums, log_gamma=lg, T=T, NS=NS, **common)
+        launch(ahla_bwd_summary_kernel, (NV, nseg, BH), q=q, k=k, do=do, g=g, **sums, log_gamma=lg, T=T, NS=NS,
+               **common)
         de = (torch.empty(BH * nseg, K, V, device=dev, dtype=f32), torch.empty(BH * nseg, K, V, device=dev, dtype=f32))
-        ahla_bwd_fold_kernel[(NV, BH)](
+        launch(ahla_bwd_fold_kernel, (NV, BH),
             **sums, dht_p=dht_p if has_dht else None, dht_e=dht_e if has_dht else None, de_p=de[0], de_e=de[1],
             NSEG=nseg, K=K, V=V, BK=BK, BV=BV, PREC=flags["PREC"], num_warps=nw)
     # -- the walk (every chunk's end-state gradient), then every chunk's gradients in the launches
@@ -279,11 +287,11 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
         return new(BH, K, V, device=dev, dtype=f32), new(BH, K, V, device=dev, dtype=f32)
 
     def step(c0, n, end_grad, start_grad):
-        ahla_bwd_state_kernel[(NV, nseg, BH)](
+        launch(ahla_bwd_state_kernel, (NV, nseg, BH),
             q=q, k=k, do=do, g=g, dp_end=dp_end, de_end=de_end, de_p=end_grad[0], de_e=end_grad[1],
             dh0_p=start_grad[0], dh0_e=start_grad[1], log_gamma=lg, T=T, NS=NS, C0=c0, NP=NP, **common)
         for i, parts in enumerate(cfg.grad_parts):
-            ahla_bwd_grad_kernel[(n, BH)](
+            launch(ahla_bwd_grad_kernel, (n, BH),
                 q=q, k=k, v=v, do=do, g=g, dq=dq, dk=dk, dv=dv, db=None if db is None else db[i], cs_p=cs_p,
                 cs_e=cs_e, dp_end=dp_end, de_end=de_end, log_gamma=lg, T=T, C0=c0, NP=NP, PARTS=parts,
                 KEYS_PER_BLOCK=grad_keys_per_block(NV, BK, q.dtype), **dict(common, PREC=grad_precision(q.dtype)))
@@ -299,7 +307,8 @@ def _cat_last(a, b):
     return None if a is None else torch.cat([a, b[..., None].to(a.dtype)], -1)
 
 
-def ahla_fwd(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg: ChunkConfig, keep_states=False):
+def ahla_fwd(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg: ChunkConfig, keep_states=False,
+             launch=launch_kernel):
     """The forward pass: q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] or None (contiguous);
     p0, e0 fp32 [B, H, K, V] or None; pn0, en0 fp32 [B, H, K] or None; gamma a float or None.
     keep_states: store the chunk-start states for :func:`ahla_bwd` (only without normalize and
@@ -311,13 +320,13 @@ def ahla_fwd(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg: ChunkConf
     o, den, PT, ET, pT, eT, cs = fwd_launch(
         q, k, v, g, gamma, p0, e0, pn0, en0, chunk=cfg.fwd_chunk, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v,
         segments=cfg.fwd_segments, normalize=normalize, eps=eps,
-        snapshots=_snapshot_dtype(cfg, q.dtype) if save else None)
+        snapshots=_snapshot_dtype(cfg, q.dtype) if save else None, launch=launch)
     cs = (None, None) if cs is None else cs
     return o, den, PT, ET, pT, eT, cs[0], cs[1]
 
 
 def ahla_bwd(q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, do, dPT, dET, dpT, deT,
-             gamma, normalize, eps, cfg: ChunkConfig, want_dg=False):
+             gamma, normalize, eps, cfg: ChunkConfig, want_dg=False, launch=launch_kernel):
     """The backward pass of :func:`ahla_fwd`: its inputs, its outputs (o and den are read only
     when normalizing), its kept states (or None), and the cotangents do [B, T, H, V] (or None),
     dPT, dET [B, H, K, V], dpT, deT [B, H, K] (each or None).
@@ -344,7 +353,7 @@ def ahla_bwd(q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, d
         PT, ET = _cat_last(PT, pT), _cat_last(ET, eT)
     states = None if cs_p is None else (cs_p, cs_e)
     dq, dk, dv, dP0, dE0, db = bwd_launch(q, k, v, do, g, gamma, p0, e0, dPT, dET, cfg, states=states,
-                                          want_db=want_dg)
+                                          want_db=want_dg, launch=launch)
     dp0 = de0 = None
     if normalize:
         dv = dv[..., :V]
@@ -368,21 +377,21 @@ class AHLAChunkFunction(torch.autograd.Function):
     """Autograd of AHLA on the Triton kernels.
 
     forward(q [B,T,H,K], k, v [B,T,H,V], g [B,T,H] | None, p0, e0 [B,H,K,V] | None,
-    pn0, en0 [B,H,K] | None, gamma, normalize, eps, cfg) -> (o [B,T,H,V], P_T, E_T [B,H,K,V],
+    pn0, en0 [B,H,K] | None, gamma, normalize, eps, cfg, launch) -> (o [B,T,H,V], P_T, E_T [B,H,K,V],
     p_T, e_T [B,H,K] | None). The backward is not itself differentiable (it raises if asked)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg):
+    def forward(ctx, q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg, launch):
         # an output the loss does not use gets None, not a materialized zero tensor (the final
         # state's cotangents are [B, H, K, K]-sized: zeros would cost memory and a walk from zero)
         ctx.set_materialize_grads(False)
         grads = any(ctx.needs_input_grad[:8])
         o, den, PT, ET, pT, eT, cs_p, cs_e = ahla_fwd(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg,
-                                                      keep_states=grads and cfg.save_states)
+                                                      keep_states=grads and cfg.save_states, launch=launch)
         # the final state is read back only for the log-gates' gradient (its own factor e^{b_T})
         final = (PT, ET, pT, eT) if g is not None and ctx.needs_input_grad[3] else (None,) * 4
         ctx.save_for_backward(q, k, v, g, p0, e0, pn0, en0, o if normalize else None, den, *final, cs_p, cs_e)
-        ctx.gamma, ctx.normalize, ctx.eps, ctx.cfg = gamma, normalize, eps, cfg
+        ctx.gamma, ctx.normalize, ctx.eps, ctx.cfg, ctx.launch = gamma, normalize, eps, cfg, launch
         return o, PT, ET, pT, eT
 
     @staticmethod
@@ -392,20 +401,26 @@ class AHLAChunkFunction(torch.autograd.Function):
         want_dg = g is not None and ctx.needs_input_grad[3]
         dq, dk, dv, dg, dP0, dE0, dp0, de0 = ahla_bwd(
             q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, do, dPT, dET, dpT, deT,
-            ctx.gamma, ctx.normalize, ctx.eps, ctx.cfg, want_dg=want_dg)
-        return dq, dk, dv, dg, dP0, dE0, dp0, de0, None, None, None, None
+            ctx.gamma, ctx.normalize, ctx.eps, ctx.cfg, want_dg=want_dg, launch=ctx.launch)
+        return dq, dk, dv, dg, dP0, dE0, dp0, de0, None, None, None, None, None
 
 
-def ahla_chunked(q, k, v, g, gamma, p0, e0, pn0, en0, normalize, eps, config=None, chunk_size=64):
+def ahla_chunked(q, k, v, g, gamma, p0, e0, pn0, en0, normalize, eps, config=None, chunk_size=64, launch=None):
     """AHLA on the Triton kernels.
 
     q, k: [B, T, H, K]; v: [B, T, H, V] (contiguous); g: [B, T, H] or None; p0, e0, pn0, en0:
     fp32 state or None; config: a ChunkConfig, or None for ``ahla_config``'s rule (its training
-    layout when autograd records: an input requires grad).
+    layout when autograd records: an input requires grad). launch: how
+    kernels are launched (``common.compile``); None launches them, after compiling a new call's
+    kernels at once (``compile_ahead``).
     Returns (o [B, T, H, V], P_T, E_T, p_T or None, e_T or None)."""
+    if launch is None:
+        args = (q, k, v, g, gamma, p0, e0, pn0, en0, normalize, eps, config, chunk_size)
+        compile_ahead("ahla", ahla_chunked, args, q.device)
+        launch = launch_kernel
     B, T, H, K = q.shape
     if config is None:
         config = ahla_config(B, T, H, K, v.shape[-1], q.dtype, q.device, chunk_size,
                              autograd_records(q, k, v, g, p0, e0, pn0, en0))
     _check_config(config, K)
-    return AHLAChunkFunction.apply(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, config)
+    return AHLAChunkFunction.apply(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, config, launch)

@@ -21,7 +21,8 @@ class ChunkConfig:
     fwd_segments, bwd_segments: how many pieces of the sequence are walked in parallel (their
         summaries folded into each piece's start state first); 1 walks the whole sequence.
     fwd_warps, bwd_warps: warps per program.
-    fwd_block_v: value columns per forward program (a power of two >= 16).
+    fwd_block_v: value columns per forward program (a power of two >= 16; the launch takes no
+        fewer than the device's ``common.launch.min_value_block``, 64 on CUDA).
     grad_parts: launches of the per-chunk gradient kernel, each a mask of the gradients it
         stores (1 dq, 2 dk, 4 dv); together they must cover each exactly once.
     save_states: a forward that will be differentiated keeps its chunk-start states for the

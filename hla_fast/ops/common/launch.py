@@ -44,6 +44,15 @@ def min_value_block(device: torch.device) -> int:
     return 64 if device.type == "cuda" else 16
 
 
+def value_block(V: int, block_v: int, device: torch.device) -> int:
+    """A forward program's value block for V columns and ``config.fwd_block_v``: at most
+    ``block_v`` wide (and no wider than V's tile) but never below ``min_value_block``, so a narrower
+    request on CUDA runs 64-wide blocks instead of the layout that crashed there (the result does
+    not depend on the block)."""
+    lo = min_value_block(device)
+    return min(pow2_block(V, lo), max(block_v, lo))
+
+
 def min_key_block(device: torch.device) -> int:
     """Narrowest key tile on ``device``: 64 on CUDA (a first forward + backward at K = 32 in bf16,
     on 32-wide key tiles, hit an illegal memory access on an H200 with Triton 3.6; narrower keys are

@@ -25,6 +25,10 @@ wider head is cut into feature blocks a, b of at most FEATURE_BLOCK: since q . k
 blocks' dot products, HLA2 is the sum over block pairs of the cross operator with (q_a, k_a)
 outside and (q_b, k_b) inside (``hla2_chunked``). Values wider than TILE_MAX are cut into value
 blocks in the backward (the operator is linear in v).
+
+Launches go through each launcher's ``launch`` argument (``common.compile.launch_kernel``); the entry
+point first has ``common.compile.compile_ahead`` rehearse a new call with a recorder there and compile
+its kernels at once.
 """
 from __future__ import annotations
 
@@ -33,11 +37,12 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..common.compile import compile_ahead, launch_kernel
 from ..common.config import ChunkConfig
 from ..common.gates import log_gamma, reverse_cumsum
 from ..common.launch import (
     bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments, plan_pieces,
-    pow2_block, rule_pieces, run_pieces, split_segments,
+    pow2_block, rule_pieces, run_pieces, split_segments, value_block,
 )
 from .chunk_kernels import (
     hla2_bwd_fold_kernel, hla2_bwd_grad_kernel, hla2_bwd_state_kernel, hla2_fwd_fold_kernel, hla2_fwd_kernel,
@@ -134,7 +139,7 @@ def _common(q, gamma, g):
 
 
 def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v, q2=None, k2=None,
-               outputs=True, normalize=False, eps=0.0, store_final=True, snapshots=None):
+               outputs=True, normalize=False, eps=0.0, store_final=True, snapshots=None, launch=launch_kernel):
     """Run the forward walk (after the segment summaries and fold when ``segments > 1``).
 
     q, k: [B, T, H, K]; q2, k2: [B, T, H, K2] or None (plain HLA2); v: [B, T, H, V]; g: [B, T, H]
@@ -147,7 +152,7 @@ def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v
     V = v.shape[-1]
     q2, k2, K2, BK = _inner_pair(q, k, q2, k2)
     BH, dev, f32 = B * H, q.device, torch.float32
-    BV = min(pow2_block(V, min_value_block(dev)), block_v)
+    BV = value_block(V, block_v, dev)
     NV, NT = cdiv(V, BV), cdiv(T, chunk)
     NS, nseg = split_segments(NT, segments)
     flags, lg = _common(q, gamma, g)
@@ -163,10 +168,11 @@ def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v
                     sum_z=torch.empty(BH * nseg, K, device=dev, dtype=f32) if normalize else None,
                     sum_cz=torch.empty(BH * nseg, K2, device=dev, dtype=f32) if normalize else None,
                     sum_lr=torch.empty(BH * nseg, device=dev, dtype=f32))
-        hla2_fwd_summary_kernel[(NV, nseg, BH)](k=k, q2=q2, k2=k2, v=v, g=g, **sums, log_gamma=lg, T=T, NS=NS, **kw)
+        launch(hla2_fwd_summary_kernel, (NV, nseg, BH), k=k, q2=q2, k2=k2, v=v, g=g, **sums, log_gamma=lg, T=T, NS=NS,
+               **kw)
         seg = (torch.empty(BH * nseg, K, K2, device=dev, dtype=f32), torch.empty(BH * nseg, K, V, device=dev, dtype=f32),
                torch.empty(BH * nseg, K, device=dev, dtype=f32) if normalize else None)
-        hla2_fwd_fold_kernel[(NV, BH)](
+        launch(hla2_fwd_fold_kernel, (NV, BH),
             **sums, h0_s=h0[0], h0_w=h0[1], h0_z=h0[2], seg_s=seg[0], seg_w=seg[1], seg_z=seg[2], NSEG=nseg,
             K=K, K2=K2, V=V, BK=BK, BV=BV, PREC=flags["PREC"], num_warps=warps)
         h0 = seg
@@ -177,7 +183,7 @@ def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v
     cs = None
     if snapshots is not None:
         cs = (torch.empty(BH, NT, K, K2, device=dev, dtype=snapshots), torch.empty(BH, NT, K, V, device=dev, dtype=snapshots))
-    hla2_fwd_kernel[(NV, nseg, BH)](
+    launch(hla2_fwd_kernel, (NV, nseg, BH),
         q=q, k=k, q2=q2, k2=k2, v=v, g=g, o=o, den=den,
         h0_s=h0[0], h0_w=h0[1], h0_z=h0[2], ht_s=ht[0], ht_w=ht[1], ht_z=ht[2],
         cs_s=None if cs is None else cs[0], cs_w=None if cs is None else cs[1],
@@ -204,7 +210,7 @@ def _value_split(fn, v, do, w0, dht_w, width):
 
 
 def bwd_launch(q, k, v, do, g, gamma, s0, w0, dht_s, dht_w, cfg: ChunkConfig, *, q2=None, k2=None,
-               states=None, want_db=False):
+               states=None, want_db=False, launch=launch_kernel):
     """Gradients of the unnormalized (cross) operator.
 
     q, k: [B, T, H, K]; q2, k2: [B, T, H, K2] or None; v, do: [B, T, H, V]; g: [B, T, H] or None;
@@ -219,7 +225,7 @@ def bwd_launch(q, k, v, do, g, gamma, s0, w0, dht_s, dht_w, cfg: ChunkConfig, *,
     if V > width:
         def block(vb, dob, w0b, dhtb, first):
             return bwd_launch(q, k, vb, dob, g, gamma, s0, w0b, dht_s if first else None, dhtb, cfg,
-                              q2=q2, k2=k2, want_db=want_db)
+                              q2=q2, k2=k2, want_db=want_db, launch=launch)
         return _value_split(block, v, do, w0, dht_w, width)
     B, T, H, K = q.shape
     cross = q2 is not None
@@ -232,7 +238,7 @@ def bwd_launch(q, k, v, do, g, gamma, s0, w0, dht_s, dht_w, cfg: ChunkConfig, *,
     if states is None or states[0].dtype != snap:
         states = fwd_launch(q, k, v, g, gamma, s0, w0, None, chunk=BT, segments=cfg.fwd_segments, warps=nw,
                             block_v=cfg.fwd_block_v, q2=q2, k2=k2, outputs=False, store_final=False,
-                            snapshots=snap)[5]
+                            snapshots=snap, launch=launch)[5]
     cs_s, cs_w = states
     do = do.contiguous()
     flags, lg = _common(q, gamma, g)
@@ -253,11 +259,11 @@ def bwd_launch(q, k, v, do, g, gamma, s0, w0, dht_s, dht_w, cfg: ChunkConfig, *,
         sum_w = torch.empty(BH * nseg, K, V, device=dev, dtype=f32)
         sum_p = torch.empty(BH * nseg, V, K2, device=dev, dtype=f32)
         sum_lr = torch.empty(BH * nseg, device=dev, dtype=f32)
-        hla2_bwd_state_kernel[(nseg, BH)](
+        launch(hla2_bwd_state_kernel, (nseg, BH),
             q=q, q2=q2, v=v, do=do, g=g, ds_end=sum_s, dw_end=sum_w, de_s=None, de_w=None, dh0_s=None, dh0_w=None,
             sum_p=sum_p, sum_lr=sum_lr, log_gamma=lg, T=T, NS=NS, C0=0, NP=NT, **common)
         de = (torch.empty(BH * nseg, K, K2, device=dev, dtype=f32), torch.empty(BH * nseg, K, V, device=dev, dtype=f32))
-        hla2_bwd_fold_kernel[(BH,)](
+        launch(hla2_bwd_fold_kernel, (BH,),
             sum_s=sum_s, sum_w=sum_w, sum_p=sum_p, sum_lr=sum_lr, dht_s=dht_s if has_dht else None,
             dht_w=dht_w if has_dht else None, de_s=de[0], de_w=de[1], dh0_s=dh0[0], dh0_w=dh0[1], NSEG=nseg,
             K=K, K2=K2, V=V, BK=BK, BV=BV, PREC=flags["PREC"], num_warps=nw)
@@ -278,12 +284,12 @@ def bwd_launch(q, k, v, do, g, gamma, s0, w0, dht_s, dht_w, cfg: ChunkConfig, *,
         return new(BH, K, K2, device=dev, dtype=f32), new(BH, K, V, device=dev, dtype=f32)
 
     def step(c0, n, end_grad, start_grad):
-        hla2_bwd_state_kernel[(nseg, BH)](
+        launch(hla2_bwd_state_kernel, (nseg, BH),
             q=q, q2=q2, v=v, do=do, g=g, ds_end=ds_end, dw_end=dw_end, de_s=end_grad[0], de_w=end_grad[1],
             dh0_s=start_grad[0], dh0_w=start_grad[1], sum_p=None, sum_lr=None, log_gamma=lg, T=T, NS=NS,
             C0=c0, NP=NP, **common)
         for i, parts in enumerate(cfg.grad_parts):
-            hla2_bwd_grad_kernel[(n, BH)](
+            launch(hla2_bwd_grad_kernel, (n, BH),
                 q=q, k=k, q2=q2, k2=k2, v=v, do=do, g=g, dq=dq, dk=dk, dq2=dq2, dk2=dk2, dv=dv,
                 db=None if db is None else db[i], cs_s=cs_s, cs_w=cs_w, ds_end=ds_end, dw_end=dw_end,
                 log_gamma=lg, T=T, C0=c0, NP=NP, CROSS=cross, PARTS=parts, **common)
@@ -302,12 +308,12 @@ class HLA2ChunkFunction(torch.autograd.Function):
     """Autograd of one tile-able (cross) HLA2 on the Triton kernels.
 
     forward(q [B,T,H,K], k, q2 [B,T,H,K2] | None, k2 | None, v [B,T,H,V], g [B,T,H] | None,
-    s0 [B,H,K,K2] | None, w0 [B,H,K,V] | None, z0 [B,H,K] | None, gamma, normalize, eps, cfg)
+    s0 [B,H,K,K2] | None, w0 [B,H,K,V] | None, z0 [B,H,K] | None, gamma, normalize, eps, cfg, launch)
     -> (o [B,T,H,V], S_T [B,H,K,K2], W_T [B,H,K,V], z_T [B,H,K] | None). Normalization only
     without a cross pair. The backward is not itself differentiable (it raises if asked)."""
 
     @staticmethod
-    def forward(ctx, q, k, q2, k2, v, g, s0, w0, z0, gamma, normalize, eps, cfg):
+    def forward(ctx, q, k, q2, k2, v, g, s0, w0, z0, gamma, normalize, eps, cfg, launch):
         # an output the loss does not use gets None, not a materialized zero tensor (the final
         # state's cotangents are [B, H, K, K]-sized: zeros would cost memory and a walk from zero)
         ctx.set_materialize_grads(False)
@@ -318,12 +324,12 @@ class HLA2ChunkFunction(torch.autograd.Function):
         snap = _snapshot_dtype(cfg, q.dtype) if save else None
         o, den, sT, wT, zT, cs = fwd_launch(
             q, k, v, g, gamma, s0, w0, z0, chunk=cfg.fwd_chunk, segments=cfg.fwd_segments, warps=cfg.fwd_warps,
-            block_v=cfg.fwd_block_v, q2=q2, k2=k2, normalize=normalize, eps=eps, snapshots=snap)
+            block_v=cfg.fwd_block_v, q2=q2, k2=k2, normalize=normalize, eps=eps, snapshots=snap, launch=launch)
         cs = (None, None) if cs is None else cs
         # the final state is read back only for the log-gates' gradient (its own factor e^{b_T})
         final = (sT, wT, zT) if g is not None and ctx.needs_input_grad[5] else (None, None, None)
         ctx.save_for_backward(q, k, q2, k2, v, g, s0, w0, z0, o if normalize else None, den, *final, *cs)
-        ctx.gamma, ctx.normalize, ctx.eps, ctx.cfg = gamma, normalize, eps, cfg
+        ctx.gamma, ctx.normalize, ctx.eps, ctx.cfg, ctx.launch = gamma, normalize, eps, cfg, launch
         return o, sT, wT, zT
 
     @staticmethod
@@ -349,7 +355,7 @@ class HLA2ChunkFunction(torch.autograd.Function):
             wT = _cat_last(wT, zT)
         dq, dk, dq2, dk2, dv, ds0, dw0, db = bwd_launch(
             q, k, v, do, g, ctx.gamma, s0, w0, dsT, dwT, ctx.cfg, q2=q2, k2=k2,
-            states=None if cs_s is None else (cs_s, cs_w), want_db=want_dg)
+            states=None if cs_s is None else (cs_s, cs_w), want_db=want_dg, launch=ctx.launch)
         dz0 = None
         if ctx.normalize:
             dv = dv[..., :V]
@@ -365,7 +371,7 @@ class HLA2ChunkFunction(torch.autograd.Function):
                 last = last + 2 * (wT * dwT.float()).sum((-1, -2))
             db[:, -1] += last
             dg = reverse_cumsum(db).to(g.dtype)
-        return dq, dk, dq2, dk2, dv, dg, ds0, dw0, dz0, None, None, None, None
+        return dq, dk, dq2, dk2, dv, dg, ds0, dw0, dz0, None, None, None, None, None
 
 
 def _feature_blocks(K):
@@ -374,17 +380,23 @@ def _feature_blocks(K):
     return [(0, K)] if K <= TILE_MAX else even_blocks(K, FEATURE_BLOCK)
 
 
-def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chunk_size=64):
+def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chunk_size=64, launch=None):
     """HLA2 on the Triton kernels, any head size up to 256 (through the checks).
 
     q, k: [B, T, H, K]; v: [B, T, H, V] (contiguous); g: [B, T, H] or None; s0, w0, z0: fp32
     state or None; config: a ChunkConfig for every launch, or None for ``hla2_config``'s rule
-    (for the head, or for each feature-block pair's width). Returns (o [B, T, H, V], S_T, W_T,
-    z_T or None).
+    (for the head, or for each feature-block pair's width). launch: how
+    kernels are launched (``common.compile``); None launches them, after compiling a new call's
+    kernels at once (``compile_ahead``).
+    Returns (o [B, T, H, V], S_T, W_T, z_T or None).
 
     A head wider than TILE_MAX runs as the sum over feature-block pairs (a, b) of the cross
     operator; the pair's state is S[a, b] and its share of W's rows a (W's rows a are the sum over
     b). Normalized, the pairs run on [v | 1] and the quotient is taken at the end."""
+    if launch is None:
+        args = (q, k, v, g, gamma, s0, w0, z0, normalize, eps, config, chunk_size)
+        compile_ahead("hla2", hla2_chunked, args, q.device)
+        launch = launch_kernel
     B, T, H, K = q.shape
     V = v.shape[-1]
 
@@ -393,7 +405,8 @@ def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chu
 
     blocks = _feature_blocks(K)
     if len(blocks) == 1:
-        return HLA2ChunkFunction.apply(q, k, None, None, v, g, s0, w0, z0, gamma, normalize, eps, cfg_for(K, V))
+        return HLA2ChunkFunction.apply(q, k, None, None, v, g, s0, w0, z0, gamma, normalize, eps, cfg_for(K, V),
+                                       launch)
     if normalize:
         v = torch.cat([v, torch.ones_like(v[..., :1])], -1)
         if s0 is not None:
@@ -412,7 +425,7 @@ def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chu
                 w0_ab = w0[..., a0:a1, :].contiguous() if ib == 0 else w0.new_zeros(B, H, a1 - a0, v.shape[-1])
             o_ab, s_ab, w_ab, _ = HLA2ChunkFunction.apply(
                 qs[ia], ks[ia], qs[ib] if cross else None, ks[ib] if cross else None, v, g, s0_ab, w0_ab, None,
-                gamma, False, 0.0, cfg_for(max(a1 - a0, b1 - b0), v.shape[-1]))
+                gamma, False, 0.0, cfg_for(max(a1 - a0, b1 - b0), v.shape[-1]), launch)
             o = o_ab.float() if o is None else o + o_ab.float()
             s_row.append(s_ab)
             w_row = w_ab if w_row is None else w_row + w_ab

@@ -24,6 +24,10 @@ quotient and the kernels need no normalized variant. This costs one more value c
 V = 64 on a GPU a second value block).
 
 Limit: heads up to TILE_MAX = 128 key features (``interface.TRITON_MAX_K``).
+
+Launches go through each launcher's ``launch`` argument (``common.compile.launch_kernel``); the entry
+point first has ``common.compile.compile_ahead`` rehearse a new call with a recorder there and compile
+its kernels at once.
 """
 from __future__ import annotations
 
@@ -32,10 +36,12 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..common.compile import compile_ahead, launch_kernel
 from ..common.config import ChunkConfig
 from ..common.gates import log_gamma, reverse_cumsum
 from ..common.launch import (
-    autograd_records, bf16_dots, cdiv, dot_precision, min_key_block, min_value_block, one_wave_segments, pow2_block, split_segments,
+    autograd_records, bf16_dots, cdiv, dot_precision, min_key_block, min_value_block, one_wave_segments, pow2_block,
+    split_segments, value_block,
 )
 from .chunk_kernels import (
     hla3_bwd_fold_kernel, hla3_bwd_grad_kernel, hla3_bwd_state_kernel, hla3_fwd_fold_kernel, hla3_fwd_kernel,
@@ -99,8 +105,7 @@ def _tiles(q, v, block_v):
     """Key tile BK, value block BV and the number of value blocks for q [.., K], v [.., V]. The
     value block is at most ``block_v`` wide but never below the device's ``min_value_block``."""
     BK = pow2_block(q.shape[-1], min_key_block(q.device))
-    lo = min_value_block(q.device)
-    BV = min(pow2_block(v.shape[-1], lo), max(block_v, lo))
+    BV = value_block(v.shape[-1], block_v, q.device)
     return BK, BV, cdiv(v.shape[-1], BV)
 
 
@@ -115,7 +120,7 @@ def _flags(q, gamma, g):
 
 
 def hla3_fwd(q, k, v, g, gamma, s0, p0, f0, *, chunk, warps, block_v, segments=1, outputs=True, store_final=True,
-             snapshots=False, o_dtype=None):
+             snapshots=False, o_dtype=None, launch=launch_kernel):
     """The forward walk of the unnormalized operator.
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] or None; all contiguous. s0 [B, H, K, K],
@@ -140,17 +145,17 @@ def hla3_fwd(q, k, v, g, gamma, s0, p0, f0, *, chunk, warps, block_v, segments=1
                     sum_f=torch.empty(kv, device=dev, dtype=f32), sum_z1=torch.empty(kk, device=dev, dtype=f32),
                     sum_z2=torch.empty(kv, device=dev, dtype=f32), sum_z3=torch.empty(kk, device=dev, dtype=f32),
                     sum_lr=torch.empty(BH * nseg, device=dev, dtype=f32))
-        hla3_fwd_summary_kernel[(NV, nseg, BH)](q=q, k=k, v=v, g=g, **sums, **kw)
+        launch(hla3_fwd_summary_kernel, (NV, nseg, BH), q=q, k=k, v=v, g=g, **sums, **kw)
         seg = (torch.empty(kk, device=dev, dtype=f32), torch.empty(kv, device=dev, dtype=f32),
                torch.empty(kv, device=dev, dtype=f32))
         fold = dict(h0_s=s0, h0_p=p0, h0_f=f0, seg_s=seg[0], seg_p=seg[1], seg_f=seg[2], NSEG=nseg,
                     K=K, V=V, BK=BK, BV=BV, PREC=flags["PREC"])
         if BK <= FOLD_TILE:
-            hla3_fwd_fold_kernel[(NV, BH)](**sums, **fold, num_warps=warps)
+            launch(hla3_fwd_fold_kernel, (NV, BH), **sums, **fold, num_warps=warps)
         else:
             # S and P first, then F by row blocks (whole [BK, BK] operands would overflow shared memory)
-            hla3_fwd_fold_kernel[(NV, BH)](**sums, **fold, CROSS=False, num_warps=warps, num_stages=1)
-            hla3_fwd_fold_f_kernel[(cdiv(K, FOLD_TILE), NV, BH)](
+            launch(hla3_fwd_fold_kernel, (NV, BH), **sums, **fold, CROSS=False, num_warps=warps, num_stages=1)
+            launch(hla3_fwd_fold_f_kernel, (cdiv(K, FOLD_TILE), NV, BH),
                 sum_f=sums["sum_f"], sum_z1=sums["sum_z1"], sum_z2=sums["sum_z2"], sum_z3=sums["sum_z3"],
                 sum_lr=sums["sum_lr"], h0_f=f0, seg_s=seg[0], seg_p=seg[1], seg_f=seg[2], NSEG=nseg,
                 K=K, V=V, BK=BK, BV=BV, BR=FOLD_TILE, BC=FOLD_TILE, PREC=flags["PREC"], num_warps=4, num_stages=1)
@@ -162,14 +167,15 @@ def hla3_fwd(q, k, v, g, gamma, s0, p0, f0, *, chunk, warps, block_v, segments=1
     if snapshots:
         cs = (torch.empty(BH, NT, K, K, device=dev, dtype=f32), torch.empty(BH, NT, K, V, device=dev, dtype=f32),
               torch.empty(BH, NT, K, V, device=dev, dtype=f32))
-    hla3_fwd_kernel[(NV, nseg, BH)](
+    launch(hla3_fwd_kernel, (NV, nseg, BH),
         q=q, k=k, v=v, g=g, o=o, h0_s=h0[0], h0_p=h0[1], h0_f=h0[2], ht_s=ht[0], ht_p=ht[1], ht_f=ht[2],
         cs_s=None if cs is None else cs[0], cs_p=None if cs is None else cs[1], cs_f=None if cs is None else cs[2],
         **kw)
     return o, ht[0], ht[1], ht[2], cs
 
 
-def hla3_bwd(q, k, v, do, g, gamma, s0, p0, f0, dsT, dpT, dfT, cfg: ChunkConfig, *, states=None, want_db=False):
+def hla3_bwd(q, k, v, do, g, gamma, s0, p0, f0, dsT, dpT, dfT, cfg: ChunkConfig, *, states=None, want_db=False,
+             launch=launch_kernel):
     """Gradients of the unnormalized operator.
 
     q, k: [B, T, H, K]; v, do: [B, T, H, V]; g: [B, T, H] or None; s0, p0, f0: initial state or
@@ -185,7 +191,8 @@ def hla3_bwd(q, k, v, do, g, gamma, s0, p0, f0, dsT, dpT, dfT, cfg: ChunkConfig,
     NT = cdiv(T, BT)
     if states is None:
         states = hla3_fwd(q, k, v, g, gamma, s0, p0, f0, chunk=BT, warps=nw, block_v=cfg.fwd_block_v,
-                          segments=cfg.fwd_segments, outputs=False, store_final=False, snapshots=True)[4]
+                          segments=cfg.fwd_segments, outputs=False, store_final=False, snapshots=True,
+                          launch=launch)[4]
     cs_s, cs_p, cs_f = states
     do = do.contiguous()
     flags, lg = _flags(q, gamma, g)
@@ -215,7 +222,7 @@ def hla3_bwd(q, k, v, do, g, gamma, s0, p0, f0, dsT, dpT, dfT, cfg: ChunkConfig,
                     sum_p=torch.empty(kv, device=dev, dtype=f32), sum_f=torch.empty(kv, device=dev, dtype=f32),
                     sum_m=torch.empty(kk, device=dev, dtype=f32), sum_n=torch.empty(BH * nseg, V, K, device=dev, dtype=f32),
                     sum_lr=torch.empty(BH * nseg, device=dev, dtype=f32))
-        hla3_bwd_state_kernel[(NV, nseg, BH)](
+        launch(hla3_bwd_state_kernel, (NV, nseg, BH),
             q=q, k=k, v=v, do=do, g=g, cs_s=cs_s, cs_p=cs_p, de_s=None, de_p=None, de_f=None,
             ds_end=sums["sum_s"], dp_end=sums["sum_p"], df_end=sums["sum_f"], dh0_s=None, dh0_p=None, dh0_f=None,
             sum_m=sums["sum_m"], sum_n=sums["sum_n"], sum_lr=sums["sum_lr"], **walk)
@@ -224,16 +231,16 @@ def hla3_bwd(q, k, v, do, g, gamma, s0, p0, f0, dsT, dpT, dfT, cfg: ChunkConfig,
         fold = dict(dht_s=de[0], dht_p=de[1], dht_f=de[2], de_s=seg[0], de_p=seg[1], de_f=seg[2],
                     dh0_s=dh0[0], dh0_p=dh0[1], dh0_f=dh0[2], NSEG=nseg, K=K, V=V, BK=BK, BV=BV, PREC=flags["PREC"])
         if BK <= FOLD_TILE:
-            hla3_bwd_fold_kernel[(NV, BH)](**sums, **fold, num_warps=nw)
+            launch(hla3_bwd_fold_kernel, (NV, BH), **sums, **fold, num_warps=nw)
         else:
             # dS in one launch, dP and dF in another (both products' operands would overflow shared memory)
             for part in ({"DP": False}, {"DS": False}):
-                hla3_bwd_fold_kernel[(NV, BH)](**sums, **fold, **part, num_warps=nw, num_stages=1)
+                launch(hla3_bwd_fold_kernel, (NV, BH), **sums, **fold, **part, num_warps=nw, num_stages=1)
         de, walk_dh0 = seg, (None, None, None)
     # -- the walk: every chunk's end-state gradient ------------------------------------------------
     ds_end = torch.empty(NV * BH, NT, K, K, device=dev, dtype=f32)
     dp_end, df_end = torch.empty(BH, NT, K, V, device=dev, dtype=f32), torch.empty(BH, NT, K, V, device=dev, dtype=f32)
-    hla3_bwd_state_kernel[(NV, nseg, BH)](
+    launch(hla3_bwd_state_kernel, (NV, nseg, BH),
         q=q, k=k, v=v, do=do, g=g, cs_s=cs_s, cs_p=cs_p, de_s=de[0], de_p=de[1], de_f=de[2],
         ds_end=ds_end, dp_end=dp_end, df_end=df_end, dh0_s=walk_dh0[0], dh0_p=walk_dh0[1], dh0_f=walk_dh0[2],
         sum_m=None, sum_n=None, sum_lr=None, **walk)
@@ -244,7 +251,7 @@ def hla3_bwd(q, k, v, do, g, gamma, s0, p0, f0, dsT, dpT, dfT, cfg: ChunkConfig,
     dk_part = torch.empty(NV, B, T, H, K, device=dev, dtype=part)
     dv = torch.empty_like(v)
     db = torch.empty(NV, B, T, H, device=dev, dtype=f32) if want_db else None
-    hla3_bwd_grad_kernel[(NT, NV, BH)](
+    launch(hla3_bwd_grad_kernel, (NT, NV, BH),
         q=q, k=k, v=v, do=do, g=g, dq=dq_part, dk=dk_part, dv=dv, db=db, cs_s=cs_s, cs_p=cs_p, cs_f=cs_f,
         ds_end=ds_end, dp_end=dp_end, df_end=df_end, **common)
 
@@ -259,11 +266,11 @@ class HLA3ChunkFunction(torch.autograd.Function):
     """Autograd of the unnormalized HLA3 on the Triton kernels.
 
     forward(q [B,T,H,K], k, v [B,T,H,V], g [B,T,H] | None, s0 [B,H,K,K] | None, p0 [B,H,K,V] | None,
-    f0 [B,H,K,V] | None, gamma, cfg, o_dtype) -> (o [B,T,H,V] in o_dtype, S_T, P_T, F_T fp32).
+    f0 [B,H,K,V] | None, gamma, cfg, o_dtype, launch) -> (o [B,T,H,V] in o_dtype, S_T, P_T, F_T fp32).
     The backward is not itself differentiable (it raises if asked)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, s0, p0, f0, gamma, cfg, o_dtype):
+    def forward(ctx, q, k, v, g, s0, p0, f0, gamma, cfg, o_dtype, launch):
         # an output the loss does not use gets None, not a materialized zero tensor (the final
         # state's cotangents are [B, H, K, K]-sized: zeros would cost memory and a walk from zero)
         ctx.set_materialize_grads(False)
@@ -271,12 +278,12 @@ class HLA3ChunkFunction(torch.autograd.Function):
         save = grads and cfg.save_states and cfg.fwd_chunk == cfg.bwd_chunk
         o, sT, pT, fT, cs = hla3_fwd(q, k, v, g, gamma, s0, p0, f0, chunk=cfg.fwd_chunk, warps=cfg.fwd_warps,
                                      block_v=cfg.fwd_block_v, segments=cfg.fwd_segments, snapshots=save,
-                                     o_dtype=o_dtype)
+                                     o_dtype=o_dtype, launch=launch)
         cs = (None, None, None) if cs is None else cs
         # the final state is read back only for the log-gates' gradient (its own factor e^{b_T})
         final = (sT, pT, fT) if g is not None and ctx.needs_input_grad[3] else (None, None, None)
         ctx.save_for_backward(q, k, v, g, s0, p0, f0, *final, *cs)
-        ctx.gamma, ctx.cfg = gamma, cfg
+        ctx.gamma, ctx.cfg, ctx.launch = gamma, cfg, launch
         return o, sT, pT, fT
 
     @staticmethod
@@ -288,7 +295,7 @@ class HLA3ChunkFunction(torch.autograd.Function):
             do = torch.zeros_like(v)
         dq, dk, dv, ds0, dp0, df0, db = hla3_bwd(
             q, k, v, do, g, ctx.gamma, s0, p0, f0, dsT, dpT, dfT, ctx.cfg,
-            states=None if cs_s is None else (cs_s, cs_p, cs_f), want_db=want_dg)
+            states=None if cs_s is None else (cs_s, cs_p, cs_f), want_db=want_dg, launch=ctx.launch)
         dg = None
         if want_dg:
             # S_T, P_T carry exp(b_T - .), F_T exp(3 b_T - .): their share of dL/db_T
@@ -298,7 +305,7 @@ class HLA3ChunkFunction(torch.autograd.Function):
                     last = last + w * (x * dx.float()).sum((-1, -2))
             db[:, -1] += last
             dg = reverse_cumsum(db).to(g.dtype)
-        return dq, dk, dv, dg, ds0, dp0, df0, None, None, None
+        return dq, dk, dv, dg, ds0, dp0, df0, None, None, None, None
 
 
 def check_grad_layout(cfg: ChunkConfig, K: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -314,12 +321,18 @@ def check_grad_layout(cfg: ChunkConfig, K: int, dtype: torch.dtype, device: torc
                          f"access in that layout (Triton 3.6); use bwd_warps=4, the rule's")
 
 
-def hla3_chunked(q, k, v, g, gamma, state, normalize, eps, config=None, chunk_size=64):
+def hla3_chunked(q, k, v, g, gamma, state, normalize, eps, config=None, chunk_size=64, launch=None):
     """HLA3 on the Triton kernels (K <= TILE_MAX through the checks).
 
     q, k: [B, T, H, K]; v: [B, T, H, V] (contiguous); g: [B, T, H] or None; state: a checked fp32
-    HLA3State or None; config: a ChunkConfig, or None for ``hla3_config``'s rule.
+    HLA3State or None; config: a ChunkConfig, or None for ``hla3_config``'s rule. launch: how
+    kernels are launched (``common.compile``); None launches them, after compiling a new call's
+    kernels at once (``compile_ahead``).
     Returns (o [B, T, H, V] in v's dtype, HLA3State)."""
+    if launch is None:
+        args = (q, k, v, g, gamma, state, normalize, eps, config, chunk_size)
+        compile_ahead("hla3", hla3_chunked, args, q.device)
+        launch = launch_kernel
     B, T, H, K = q.shape
     V = v.shape[-1]
     vv = v
@@ -341,7 +354,7 @@ def hla3_chunked(q, k, v, g, gamma, state, normalize, eps, config=None, chunk_si
     if autograd_records(q, k, v, g, s0, p0, f0):
         check_grad_layout(cfg, K, q.dtype, q.device)
     o, S, P, F = HLA3ChunkFunction.apply(q, k, vv, g, s0, p0, f0, gamma, cfg,
-                                         torch.float32 if normalize else v.dtype)
+                                         torch.float32 if normalize else v.dtype, launch)
     if not normalize:
         return o, HLA3State(S, P, F, None, None)
     o = (o[..., :V] / (o[..., V:] + eps)).to(v.dtype)
