@@ -20,6 +20,8 @@ pytest.importorskip("triton")
 import hla_fast  # noqa: E402
 from hla_fast.ops.common import compile as ahead  # noqa: E402
 
+from .helpers import real_calls  # noqa: E402
+
 OPS = ["hla2", "ahla", "hla3"]
 
 
@@ -114,6 +116,19 @@ def test_rehearsal_of_a_call_that_does_not_require_grad_has_no_backward(device):
     rec = ahead.Recorder()
     ahead.rehearse(chunk_module("ahla").ahla_chunked, args, rec)
     assert rec.launches and not any("bwd" in name for name, _, _ in signature(rec.launches))
+
+
+def test_spies_on_launchers_skip_the_rehearsal(device, monkeypatch):
+    """tests/fast spies on launchers through helpers.real_calls: on CUDA a new call is rehearsed
+    first, and the spy must count only the real call's launchers."""
+    chunk = chunk_module("hla2")
+    calls = []
+    monkeypatch.setattr(chunk, "fwd_launch", real_calls(chunk.fwd_launch, lambda *a, **kw: calls.append(kw["chunk"])))
+    args = make_args("hla2", device)
+    ahead.rehearse(chunk.hla2_chunked, args, ahead.Recorder())
+    assert calls == []
+    chunk.hla2_chunked(*args)[0].sum().backward()
+    assert len(calls) >= 1
 
 
 def test_recorder_keeps_no_tensor():

@@ -414,13 +414,13 @@ def ahla_chunked(q, k, v, g, gamma, p0, e0, pn0, en0, normalize, eps, config=Non
     kernels are launched (``common.compile``); None launches them, after compiling a new call's
     kernels at once (``compile_ahead``).
     Returns (o [B, T, H, V], P_T, E_T, p_T or None, e_T or None)."""
-    if launch is None:
-        args = (q, k, v, g, gamma, p0, e0, pn0, en0, normalize, eps, config, chunk_size)
-        compile_ahead("ahla", ahla_chunked, args, q.device)
-        launch = launch_kernel
     B, T, H, K = q.shape
     if config is None:
         config = ahla_config(B, T, H, K, v.shape[-1], q.dtype, q.device, chunk_size,
                              autograd_records(q, k, v, g, p0, e0, pn0, en0))
     _check_config(config, K)
+    if launch is None:   # the rehearsal takes the layout chosen here
+        args = (q, k, v, g, gamma, p0, e0, pn0, en0, normalize, eps, config, chunk_size)
+        compile_ahead("ahla", ahla_chunked, args, q.device)
+        launch = launch_kernel
     return AHLAChunkFunction.apply(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, config, launch)

@@ -329,10 +329,6 @@ def hla3_chunked(q, k, v, g, gamma, state, normalize, eps, config=None, chunk_si
     kernels are launched (``common.compile``); None launches them, after compiling a new call's
     kernels at once (``compile_ahead``).
     Returns (o [B, T, H, V] in v's dtype, HLA3State)."""
-    if launch is None:
-        args = (q, k, v, g, gamma, state, normalize, eps, config, chunk_size)
-        compile_ahead("hla3", hla3_chunked, args, q.device)
-        launch = launch_kernel
     B, T, H, K = q.shape
     V = v.shape[-1]
     vv = v
@@ -353,6 +349,9 @@ def hla3_chunked(q, k, v, g, gamma, state, normalize, eps, config=None, chunk_si
                          f"got {cfg.bwd_pieces}")
     if autograd_records(q, k, v, g, s0, p0, f0):
         check_grad_layout(cfg, K, q.dtype, q.device)
+    if launch is None:   # the rehearsal takes the layout chosen here
+        compile_ahead("hla3", hla3_chunked, (q, k, v, g, gamma, state, normalize, eps, cfg, chunk_size), q.device)
+        launch = launch_kernel
     o, S, P, F = HLA3ChunkFunction.apply(q, k, vv, g, s0, p0, f0, gamma, cfg,
                                          torch.float32 if normalize else v.dtype, launch)
     if not normalize:
