@@ -1,8 +1,9 @@
 """What the compiler makes of an operator's kernels for Hopper, without a GPU: shared memory,
 registers, register spills and compile seconds of every launch one call makes.
 
-The operator's launchers run on ``meta`` tensors (nothing is allocated or computed) with every
-Triton kernel replaced by a recorder; each distinct launch is then compiled ahead of time for
+The operator's launchers run on ``meta`` tensors (nothing is allocated or computed) with a
+``launch`` that records (``hla_fast.ops.common.compile.Recorder``, what ``compile_ahead`` rehearses
+with); each distinct launch is then compiled ahead of time for
 sm_90 (``triton.compile`` on an ``ASTSource``) and its PTX assembled by the ptxas that ships with
 Triton, with ``-v`` for the register and spill counts. The device is an H200-sized one (132
 multiprocessors), so the layouts are those the configuration rule gives on that GPU.
@@ -42,23 +43,13 @@ SMS = 132  # multiprocessors of an H200
 TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
 
 
-class Recorder:
-    """Stands in for a Triton kernel: ``kernel[grid](**kw)`` records (kernel, kw) instead of
-    launching."""
-
-    def __init__(self, kernel, log):
-        self.kernel, self.log = kernel, log
-
-    def __getitem__(self, grid):
-        return lambda **kw: self.log.append((self.kernel, kw))
-
-
 def hopper_launchers(op):
-    """Make ``op``'s launchers plan for an H200 and record instead of launching: the shared launch
-    arithmetic answers for 132 multiprocessors and CUDA tiles, and every Triton kernel of the
-    operator's ``chunk`` module becomes a :class:`Recorder`. Returns (that module, the CUDA device
-    the rules are asked about, the list the launches are appended to)."""
+    """Make ``op``'s launchers plan for an H200: the shared launch arithmetic answers for 132
+    multiprocessors and CUDA tiles. Returns (the operator's ``chunk`` module, the CUDA device the
+    rules are asked about, a Recorder to pass as the launchers' ``launch``: its ``launches`` are
+    ``(kernel, grid, kwargs)``, tensors as ``TensorArg``)."""
     from hla_fast.ops.common import launch
+    from hla_fast.ops.common.compile import Recorder
 
     cuda = torch.device("cuda")
     launch.sm_count = lambda device: SMS
@@ -70,16 +61,12 @@ def hopper_launchers(op):
             setattr(chunk, name, lambda device, real=real: real(cuda))
     if hasattr(chunk, "value_block"):
         chunk.value_block = lambda V, block_v, device, real=launch.value_block: real(V, block_v, cuda)
-    log = []
-    for name in dir(chunk):
-        if name.startswith(op + "_") and name.endswith("_kernel"):
-            setattr(chunk, name, Recorder(getattr(chunk, name), log))
-    return chunk, cuda, log
+    return chunk, cuda, Recorder()
 
 
 def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, gates=False):
-    """Run ``op``'s launchers on meta tensors; return (config, [(kernel, kwargs), ...])."""
-    chunk, cuda, log = hopper_launchers(op)
+    """Run ``op``'s launchers on meta tensors; return (config, [(kernel, grid, kwargs), ...])."""
+    chunk, cuda, rec = hopper_launchers(op)
     import hla_fast
 
     rule = getattr(hla_fast, f"{op}_config")
@@ -93,23 +80,26 @@ def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, 
     g = torch.empty(B, T, H, device=meta) if gates else None
     gamma = None if gates else 0.999
     save = cfg.save_states and cfg.fwd_chunk == cfg.bwd_chunk and not forward_only
-    common = dict(chunk=cfg.fwd_chunk, segments=cfg.fwd_segments, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v)
+    common = dict(chunk=cfg.fwd_chunk, segments=cfg.fwd_segments, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v,
+                  launch=rec)
     if op == "hla2":
         snap = chunk._snapshot_dtype(cfg, dtype) if save else None
         cs = chunk.fwd_launch(q, k, v, g, gamma, None, None, None, snapshots=snap, **common)[5]
         if not forward_only:
-            chunk.bwd_launch(q, k, v, do, g, gamma, None, None, None, None, cfg, states=cs, want_db=gates)
+            chunk.bwd_launch(q, k, v, do, g, gamma, None, None, None, None, cfg, states=cs, want_db=gates,
+                             launch=rec)
     elif op == "ahla":
         snap = chunk._snapshot_dtype(cfg, dtype) if save else None
         cs = chunk.fwd_launch(q, k, v, g, gamma, None, None, None, None, snapshots=snap, **common)[6]
         if not forward_only:
-            chunk.bwd_launch(q, k, v, do, g, gamma, None, None, None, None, cfg, states=cs, want_db=gates)
+            chunk.bwd_launch(q, k, v, do, g, gamma, None, None, None, None, cfg, states=cs, want_db=gates,
+                             launch=rec)
     else:
         cs = chunk.hla3_fwd(q, k, v, g, gamma, None, None, None, snapshots=save, **common)[4]
         if not forward_only:
             chunk.hla3_bwd(q, k, v, do, g, gamma, None, None, None, None, None, None, cfg,
-                           states=cs if save else None, want_db=gates)
-    return cfg, log
+                           states=cs if save else None, want_db=gates, launch=rec)
+    return cfg, rec.launches
 
 
 def _ptxas():
@@ -137,10 +127,13 @@ def has_cuda_compiler() -> bool:
 
 def hopper_compile(kernel, kw):
     """Compile the launch ``kernel[grid](**kw)`` (a recorded one) for sm_90: the kernel's
-    ``triton.heuristics`` applied, tensors typed by dtype, None and constexprs specialized.
+    ``triton.heuristics`` applied, tensors (or their recorded ``TensorArg``) typed by dtype, None
+    and constexprs specialized.
     Returns (the CompiledKernel, num_warps)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    from hla_fast.ops.common.compile import TensorArg
 
     args = dict(kw)
     options = dict(num_warps=args.pop("num_warps", 4), num_stages=args.pop("num_stages", 3))
@@ -153,7 +146,7 @@ def hopper_compile(kernel, kw):
         if p.is_constexpr or x is None:
             sig[p.name] = "constexpr"
             consts[(i,)] = x
-        elif torch.is_tensor(x):
+        elif isinstance(x, (torch.Tensor, TensorArg)):
             sig[p.name] = TYPES[x.dtype]
         else:
             sig[p.name] = "fp32" if isinstance(x, float) else "i32"
@@ -185,16 +178,18 @@ def compile_launch(kernel, kw, ptxas):
 
 def report(op, B, T, H, K, V, dtype, changes=None, forward_only=False, gates=False, only=None):
     """Compile every distinct launch of one call; returns {"config": str, "kernels": [row, ...]}."""
+    from hla_fast.ops.common.compile import TensorArg
+
     cfg, log = record_launches(op, B, T, H, K, V, dtype, changes, forward_only, gates)
     ptxas = _ptxas()
     rows, seen = [], set()
-    for kernel, kw in log:
+    for kernel, _, kw in log:
         name = kernel.fn.__name__
         if only and only not in name:
             continue
         # arguments the kernel does not specialize on (do_not_specialize) do not make a new compile
         loose = set(getattr(kernel.fn, "do_not_specialize", None) or ())
-        key = (name, tuple(sorted((a, str(b.dtype) if torch.is_tensor(b) else repr(b)) for a, b in kw.items()
+        key = (name, tuple(sorted((a, str(b.dtype) if isinstance(b, TensorArg) else repr(b)) for a, b in kw.items()
                                   if a not in loose)))
         if key in seen:
             continue

@@ -376,7 +376,7 @@ import json, sys
 import torch
 sys.path.insert(0, sys.argv[2])   # benchmarks/
 from compile_report import hopper_compile, hopper_launchers
-chunk, cuda, log = hopper_launchers("hla3")
+chunk, cuda, rec = hopper_launchers("hla3")
 
 out = []
 for case, (B, T, H, K, V, dtype, kernels, segmented) in enumerate(json.loads(sys.argv[1])):
@@ -386,12 +386,13 @@ for case, (B, T, H, K, V, dtype, kernels, segmented) in enumerate(json.loads(sys
     q, k, v = (torch.zeros(B, T, H, n, dtype=dtype) for n in (K, K, V))
     g = torch.zeros(B, T, H)
     s0, p0, f0 = (torch.zeros(s) for s in [(B, H, K, K), (B, H, K, V), (B, H, K, V)])
-    del log[:]
+    del rec.launches[:]
     cs = chunk.hla3_fwd(q, k, v, g, None, s0, p0, f0, chunk=cfg.fwd_chunk, warps=cfg.fwd_warps,
-                        block_v=cfg.fwd_block_v, segments=cfg.fwd_segments, snapshots=cfg.save_states)[4]
-    chunk.hla3_bwd(q, k, v, torch.zeros_like(v), g, None, s0, p0, f0, s0, p0, f0, cfg, states=cs, want_db=True)
+                        block_v=cfg.fwd_block_v, segments=cfg.fwd_segments, snapshots=cfg.save_states, launch=rec)[4]
+    chunk.hla3_bwd(q, k, v, torch.zeros_like(v), g, None, s0, p0, f0, s0, p0, f0, cfg, states=cs, want_db=True,
+                   launch=rec)
     seen = set()
-    for kernel, kw in log:
+    for kernel, _, kw in rec.launches:
         name = kernel.fn.__name__
         key = (name, tuple(sorted((n, str(getattr(x, "dtype", x))) for n, x in kw.items())))
         if name in kernels and key not in seen:
