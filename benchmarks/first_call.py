@@ -15,6 +15,11 @@ creation is not counted. On a machine without CUDA it runs the kernels under the
 (TRITON_INTERPRET=1, set before the import), where nothing is compiled: only the plumbing is tested.
 
     python benchmarks/first_call.py --dtype bf16 --dim 64 --flag g
+    python benchmarks/first_call.py --dtype fp32 --dim 64 --config '{"bwd_warps": 8}'
+
+``--config`` takes a JSON object of ``ChunkConfig`` fields changed from the rule's configuration
+(``hla_fast.hla2_config`` for the call's shapes): how a layout's first call is measured before the
+rule takes it.
 """
 from __future__ import annotations
 
@@ -38,10 +43,15 @@ def main():
     ap.add_argument("--B", type=int, default=4)
     ap.add_argument("--T", type=int, default=2048)
     ap.add_argument("--H", type=int, default=16)
+    ap.add_argument("--config", default=None, help="JSON of ChunkConfig fields changed from the rule's")
     args = ap.parse_args()
+    try:
+        changes = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(args.config or "{}").items()}
+    except (json.JSONDecodeError, AttributeError) as e:
+        ap.error(f"--config: expected a JSON object of ChunkConfig fields, got {args.config!r} ({e})")
     out = {"dtype": args.dtype, "K": args.dim, "V": args.dim, "flag": args.flag, "B": args.B, "T": args.T,
            "H": args.H, "pid": os.getpid(),
-           "interpret": os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")}
+           "interpret": os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"), "config_changes": changes}
     t0 = time.perf_counter()
     import torch
 
@@ -70,14 +80,17 @@ def main():
     do = torch.randn(B, T, H, D, device=dev, generator=gen).to(dt)
     g = -0.001 * torch.rand(B, T, H, device=dev, generator=gen)
     leaves = [x.detach().requires_grad_() for x in (q, k, v, g)]
+    cfg = hla_fast.hla2_config(B, T, H, D, D, dt, dev).replace(**changes) if changes else None
+    out["config"] = str(cfg or hla_fast.hla2_config(B, T, H, D, D, dt, dev))
     float((leaves[0].float().sum() + leaves[3].sum()).item())  # a torch op on the device first
     sync()
 
     def call():
         ql, kl, vl, gl = leaves
         if args.flag == "g":
-            return hla_fast.hla2(ql, kl, vl, g=gl, backend="triton")[0]
-        return hla_fast.hla2(ql, kl, vl, gamma=0.999, normalize=args.flag == "normalize", backend="triton")[0]
+            return hla_fast.hla2(ql, kl, vl, g=gl, backend="triton", config=cfg)[0]
+        return hla_fast.hla2(ql, kl, vl, gamma=0.999, normalize=args.flag == "normalize", backend="triton",
+                             config=cfg)[0]
 
     t0 = time.perf_counter()
     o = call()

@@ -137,3 +137,26 @@ def test_compile_report_refuses_a_config_that_is_not_an_object():
                          timeout=300, cwd=ROOT)
     assert run.returncode == 2 and "--config: expected a JSON object of ChunkConfig fields" in run.stderr
 
+
+
+def test_first_call_takes_a_config_under_the_interpreter():
+    """first_call.py --config: the layout a first call is timed with is the rule's config with the
+    given fields changed (here under the interpreter, where nothing is compiled)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "first_call.py"), "--dtype", "fp32",
+                          "--dim", "16", "--B", "1", "--T", "40", "--H", "2",
+                          "--config", '{"grad_parts": [1, 2, 4], "bwd_warps": 8}'],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    line = [x for x in run.stdout.splitlines() if x.startswith("FIRST_CALL_JSON ")]
+    assert len(line) == 1
+    out = json.loads(line[0][len("FIRST_CALL_JSON "):])
+    assert out["config_changes"] == {"grad_parts": [1, 2, 4], "bwd_warps": 8}
+    assert "grad_parts=(1, 2, 4)" in out["config"] and "bwd_warps=8" in out["config"]
+    assert out["finite"] is True and out["fwdbwd_s"] > 0
+
+
+def test_first_call_refuses_a_config_that_is_not_an_object():
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "first_call.py"), "--config", "[1, 2]"],
+                         capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=300)
+    assert run.returncode == 2 and "--config: expected a JSON object of ChunkConfig fields" in run.stderr

@@ -215,8 +215,19 @@ def test_configuration_rule(monkeypatch):
     assert (c.fwd_warps, c.bwd_warps, c.fwd_segments, c.bwd_segments, c.save_states) == (4, 4, 2, 4, False)
     assert c.bwd_pieces == 1  # a segmented walk is not cut into pieces
     assert chunk.bwd_value_width(64) == 64 and chunk.bwd_value_width(65) == chunk.bwd_value_width(128) == 128
-    c = hla_fast.hla2_config(1, 1280, 2, 64, 64, torch.bfloat16, cuda)
-    assert c.fwd_segments == 5  # few heads: many segments, but at least 4 chunks each
+    c = hla_fast.hla2_config(1, 4096, 2, 64, 64, torch.bfloat16, cuda)
+    assert c.fwd_segments == 16  # few heads: many segments, but at least 4 chunks each
+    # short sequences (at most SHORT_CHUNKS chunks): one segment, kept states, one gradient launch
+    c = hla_fast.hla2_config(4, 2048, 16, 64, 64, torch.bfloat16, cuda)
+    assert (c.fwd_segments, c.bwd_segments, c.save_states, c.grad_parts) == (1, 1, True, (7,))
+    c = hla_fast.hla2_config(4, 8192, 16, 64, 64, torch.bfloat16, cuda)   # 128 chunks: kept, segmented
+    assert (c.fwd_segments, c.bwd_segments, c.save_states, c.grad_parts) == (4, 4, True, (1, 6))
+    # fp32 (tf32x3 products): one gradient launch per gradient, 16-warp backward programs for wide heads
+    c = hla_fast.hla2_config(4, 32768, 16, 64, 64, torch.float32, cuda)
+    assert (c.bwd_warps, c.grad_parts, c.bwd_segments) == (4, (1, 2, 4), 4)
+    assert hla_fast.hla2_config(4, 2048, 16, 64, 64, torch.float32, cuda).grad_parts == (1, 2, 4)
+    c = hla_fast.hla2_config(4, 32768, 16, 128, 128, torch.float32, cuda)
+    assert (c.bwd_warps, c.grad_parts, c.save_states) == (16, (1, 2, 4), True)
     c = hla_fast.hla2_config(4, 32768, 16, 64, 64, torch.float32, cpu, chunk_size=128)
     assert (c.fwd_chunk, c.bwd_chunk, c.fwd_segments, c.bwd_segments, c.save_states) == (128, 64, 1, 1, False)
     hla_fast.hla2_config.cache_clear()
