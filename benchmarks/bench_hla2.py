@@ -185,7 +185,9 @@ def host_us(fn, n=200):
 
 
 def hla2_flops(B, H, T, K, V, C=64):
-    """Multiply-adds x 2 of the chunk form (forward) with chunks of C rows, per the kernel's products."""
+    """Multiply-adds x 2 of the chunk form (forward) with chunks of C rows, per the kernel's products
+    (the carry's three products since the walk forms W's update as P diag(gl) V; records before
+    2026-12-02 05:00 UTC counted its earlier four: Q^T Vg, S (Q^T Vg), Ym Vg, Kg^T (Ym Vg))."""
     NT = math.ceil(T / C)
     per_chunk = (
         C * C * K * 2          # X = Q K^T and Y = K Q^T
@@ -194,10 +196,9 @@ def hla2_flops(B, H, T, K, V, C=64):
         + C * C * C            # A Ym
         + C * K * V            # Q W0
         + C * C * V            # M V
-        + C * K * V            # Q^T Vg
-        + K * K * V            # S (Q^T Vg)
-        + C * C * V            # Ym Vg
-        + C * K * V            # Kg^T (Ym Vg)
+        + K * K * C            # S Q^T      (the carry: W <- gC^2 W + P Vg, P = gC S Q^T + Kg^T Ym)
+        + K * C * C            # Kg^T Ym
+        + K * C * V            # P Vg
         + C * K * K            # Kg^T K
     )
     return 2.0 * B * H * NT * per_chunk
@@ -895,6 +896,7 @@ def main():
     ap.add_argument("--selftest", action="store_true", help="check counts, targets and report on made-up rows")
     ap.add_argument("--torch-max-T", type=int, default=8192, help="largest T for the torch backend at K > 64")
     ap.add_argument("--dims", default="64,128", help="comma list of K=V head sizes of the main table")
+    ap.add_argument("--Ts", default="", help="comma list of the main table's T (default 1024 to 32768)")
     ap.add_argument("--gated-T", default="all", help="T values of the g / normalize rows (comma list, or all)")
     ap.add_argument("--only", default="", help="comma list of main-table candidates to time (default: all)")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: " + ",".join(SECTIONS))
@@ -974,7 +976,7 @@ def main():
     elif args.quick:
         B, H, Ts, Ds = 2, 4, [1024, 2048, 4096], [64]
     else:
-        B, H, Ts, Ds = 4, 16, [1024, 2048, 4096, 8192, 16384, 32768], [int(x) for x in args.dims.split(",")]
+        B, H, Ts, Ds = 4, 16, int_list(args.Ts, [1024, 2048, 4096, 8192, 16384, 32768]), [int(x) for x in args.dims.split(",")]
     gated_T = set(Ts) if args.gated_T == "all" else {int(x) for x in args.gated_T.split(",")}
     res["shapes"] = {"B": B, "H": H, "T": Ts, "K=V": Ds, "gated_T": sorted(gated_T)}
     Tbig = Ts[-1]

@@ -203,7 +203,7 @@ def test_configuration_rule(monkeypatch):
     c = hla_fast.hla2_config(4, 32768, 16, 64, 64, torch.bfloat16, cuda)
     # 64 heads: 4 segments put 256 four-warp programs in one wave of 264
     assert (c.fwd_chunk, c.bwd_chunk, c.fwd_warps, c.fwd_segments, c.bwd_segments) == (64, 64, 4, 4, 4)
-    assert not c.save_states and c.grad_parts == (1, 6)   # 64-wide heads: the backward recomputes the states
+    assert c.save_states and c.grad_parts == (1, 6)   # the forward keeps its chunk states for the backward
     c = hla_fast.hla2_config(4, 32768, 16, 128, 128, torch.bfloat16, cuda)
     # 128 eight-warp programs (two value blocks a head), one a multiprocessor: one segment
     assert (c.fwd_chunk, c.bwd_chunk, c.fwd_warps, c.fwd_segments, c.bwd_segments) == (32, 32, 8, 1, 1)
@@ -220,14 +220,14 @@ def test_configuration_rule(monkeypatch):
     # short sequences (at most SHORT_CHUNKS chunks): one segment, kept states, one gradient launch
     c = hla_fast.hla2_config(4, 2048, 16, 64, 64, torch.bfloat16, cuda)
     assert (c.fwd_segments, c.bwd_segments, c.save_states, c.grad_parts) == (1, 1, True, (7,))
-    c = hla_fast.hla2_config(4, 8192, 16, 64, 64, torch.bfloat16, cuda)   # 128 chunks: kept, segmented
+    c = hla_fast.hla2_config(4, 8192, 16, 64, 64, torch.bfloat16, cuda)   # 128 chunks: segmented
     assert (c.fwd_segments, c.bwd_segments, c.save_states, c.grad_parts) == (4, 4, True, (1, 6))
-    # fp32 (tf32x3 products): one gradient launch per gradient, 16-warp backward programs for wide heads
+    # fp32 (tf32x3 products): one gradient launch per gradient, chunks of 16 for wide heads
     c = hla_fast.hla2_config(4, 32768, 16, 64, 64, torch.float32, cuda)
     assert (c.bwd_warps, c.grad_parts, c.bwd_segments) == (4, (1, 2, 4), 4)
     assert hla_fast.hla2_config(4, 2048, 16, 64, 64, torch.float32, cuda).grad_parts == (1, 2, 4)
     c = hla_fast.hla2_config(4, 32768, 16, 128, 128, torch.float32, cuda)
-    assert (c.bwd_warps, c.grad_parts, c.save_states) == (16, (1, 2, 4), True)
+    assert (c.fwd_chunk, c.bwd_chunk, c.bwd_warps, c.grad_parts, c.save_states) == (16, 16, 8, (1, 2, 4), True)
     c = hla_fast.hla2_config(4, 32768, 16, 64, 64, torch.float32, cpu, chunk_size=128)
     assert (c.fwd_chunk, c.bwd_chunk, c.fwd_segments, c.bwd_segments, c.save_states) == (128, 64, 1, 1, False)
     hla_fast.hla2_config.cache_clear()

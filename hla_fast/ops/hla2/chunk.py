@@ -56,12 +56,9 @@ TILE_MAX = 128
 FEATURE_BLOCK = 64
 # fewest chunks a segment walks when segments are picked by occupancy
 MIN_SEGMENT_CHUNKS = 4
-# a sequence of at most SHORT_CHUNKS chunks (heads up to 64 wide) walks in one segment, keeps its
-# chunk states and computes its gradients in one launch: 3 launches a training call instead of 11
-# (hla2_config)
+# a sequence of at most SHORT_CHUNKS chunks (heads up to 64 wide) walks in one segment and computes
+# its gradients in one launch: 3 launches a training call instead of 8 (hla2_config)
 SHORT_CHUNKS = 32
-# heads up to 64 wide keep their chunk states for the backward up to KEEP_CHUNKS chunks (hla2_config)
-KEEP_CHUNKS = 128
 
 
 def bwd_value_width(K: int) -> int:
@@ -76,53 +73,41 @@ def bwd_value_width(K: int) -> int:
 def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: torch.device,
                 chunk_size: int = 64) -> ChunkConfig:
     """The default layout for one call, by the measurements in ``benchmarks/results/``
-    (``hla2_h200.md``, ``hla2_h200_variants.md``, ``hla2_h200_segments.md``; summarized in
-    hla_fast/README.md, "The configuration rule"):
+    (summarized, with the numbers, in hla_fast/README.md, "The configuration rule"):
 
     * heads up to 64 wide: chunks of ``chunk_size`` forward and at most 64 backward; wider heads:
-      chunks of at most 32 in both passes (fewer live tiles a program);
+      chunks of at most 32 in both passes (fewer live tiles a program), 16 for fp32 inputs
+      (``hla2_h200_first_call_rule.md``, ``hla2_h200_fp32_k128_chunk16.json``);
     * forward value blocks of 64 columns; backward value blocks of ``bwd_value_width(K)``;
     * 4 warps for tiles up to 64 x 64, 8 above;
     * segments: as many as keep every program in one wave (two 4-warp programs or one 8-warp
       program a multiprocessor), at least MIN_SEGMENT_CHUNKS chunks each; the backward walk is
       segmented only with 4-warp programs (the fold's fp32 product of two 128-wide tiles does not
-      fit in shared memory);
-    * gradients from two launches, dq and (dk, dv); for fp32 inputs one launch per gradient (dq; dk;
-      dv), and 16-warp backward programs for heads wider than 64: the tf32x3 products made the
-      gradient kernel a first training call's slowest compile (compiles for sm_90 with Triton 3.6 on
-      a CPU, ``benchmarks/compile_report.py``: at K = V = 64 the (dk, dv) kernel 22 s, the three
-      kernels 11, 7 and 5 s; at K = V = 128 in 8 warps 11 and 17.5 s, in 16 warps 7, 4 and 4 s).
-      8-warp programs at K = 64 compiled faster still but took fp32 forward + backward from 18.0
-      to 26.2 ms at T = 8k (``hla2_h200_fp32_layouts_first.json``), so heads up to 64 keep 4;
+      fit in shared memory) (``hla2_h200_variants.md``, ``hla2_h200_segments.md``);
+    * gradients from two launches, dq and (dk, dv) (``hla2_h200_variants.md``); for fp32 inputs
+      one launch per gradient: the tf32x3 products made the gradient kernel a first training
+      call's slowest compile, and a call's kernels compile in parallel (``hla2_h200_first_call_rule.md``,
+      ``compile_report.py``; ``hla2_h200_fp32_layouts_first.json`` for the 8-warp layout not taken);
     * short sequences, at most SHORT_CHUNKS chunks, with heads up to 64 wide: one segment in both
-      walks, chunk states kept, every gradient in one launch (bf16 and fp16; fp32 keeps its three):
-      three kernels a training call instead of eleven. Each launch costs the host some 100 us on
-      the H200 machine, more than a longer walk costs the GPU: at T = 2048, K = V = 64 a forward
-      took 0.199 against 0.289 ms and a forward + backward 0.78 against 1.83 ms, calls back to back
-      (``hla2_h200_short_layouts_first.md``, whose ``rule`` is the rule before this case); at
-      T = 4096 the segmented forward was faster again (0.25 against 0.41 ms);
+      walks and every gradient in one launch (fp32 keeps its three): a training call launches
+      three kernels instead of eight, and there the host's work per launch outweighs the longer
+      walk (``hla2_h200_short_layouts_first.md``, ``hla2_h200_short_layouts.md``);
+    * the forward keeps its chunk-start states for the backward when both passes use one chunk
+      size and the backward runs one value block (not for normalize, whose backward runs on
+      [v | 1]): it saves the backward's recomputing walk (``hla2_h200_short_layouts.md``: at
+      K = V = 64, T = 32k 5.35 against 5.97 ms forward + backward in one run);
     * heads wider than 64 with a one-segment backward walk over at least BWD_PIECES_MIN_CHUNKS
       chunks walk it in BWD_PIECES pieces (``common.launch.rule_pieces``): the chunk-end state
       gradients are kept for a quarter of the sequence at a time instead of all of it, which at
       K = V = 128 is the difference between the training peak being 1.50x fla's and 1.13x at the
-      same speed (``hla2_h200_pieces.md``, ``hla2_h200_ab_pieces.json``);
-    * the forward keeps its chunk-start states for the backward for heads wider than 64, and for
-      narrower heads up to KEEP_CHUNKS chunks, when both use one chunk size and the backward runs
-      one value block. Up to T = 8192 at K = V = 64 keeping them saved the three launches of their
-      recompute: forward + backward 1.27 against 1.77 ms at T = 4096, 1.68 against 2.15 ms at 8192
-      (``hla2_h200_short_layouts_first.md``). On longer sequences at K = V = 64 the backward
-      recomputes them, which was faster than storing and reading them in two runs on two machines
-      (6.12 against 6.35 ms forward + backward, ``hla2_h200.md`` and ``hla2_h200_variants_k64.md``)
-      and keeps nothing between the passes (the forward that stores snapshots spills four times
-      the registers of the one that does not, by ``ptxas -v``); at K = V = 128 keeping them was
-      faster (27.4 against 27.8 ms, ``hla2_h200.md``). The price is one more kernel to compile on a
-      first training call (the backward's state-only forward walk): about 1.6 s on a CPU's
-      ahead-of-time compile for sm_90, repaid by 0.23 ms a call after some 7000 calls.
+      same speed (``hla2_h200_pieces.md``, ``hla2_h200_ab_pieces.json``).
     Off CUDA (the interpreter) every walk is one segment. K is the width of one program's key
     tile (a feature block of a wider head). The result is immutable, so it is cached per shape."""
     wide = max(K, V) > 64
-    fwd_chunk = min(chunk_size, 32) if wide else chunk_size
-    bwd_chunk = min(chunk_size, 32 if wide else 64)
+    fp32 = dtype == torch.float32
+    wide_chunk = 16 if fp32 else 32   # fp32: tf32x3 products of 32-row tiles were the slowest compiles
+    fwd_chunk = min(chunk_size, wide_chunk) if wide else chunk_size
+    bwd_chunk = min(chunk_size, wide_chunk if wide else 64)
     block_v = min(64, pow2_block(V, min_value_block(device)))
     bwd_bv = min(pow2_block(V, min_value_block(device)), bwd_value_width(K))
     fwd_warps = 4 if pow2_block(K) <= 64 and block_v <= 64 else 8
@@ -131,17 +116,13 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     n_v = cdiv(V, block_v)
     fwd_seg = one_wave_segments(n_v * B * H, n_fwd, device, 2 if fwd_warps == 4 else 1, MIN_SEGMENT_CHUNKS)
     bwd_seg = one_wave_segments(B * H, n_bwd, device, 2, MIN_SEGMENT_CHUNKS) if bwd_warps == 4 else 1
-    can_keep = fwd_chunk == bwd_chunk and V <= bwd_value_width(K)
-    keep = can_keep and (wide or n_bwd <= KEEP_CHUNKS)
-    fp32 = dtype == torch.float32
+    keep = fwd_chunk == bwd_chunk and V <= bwd_value_width(K)
     # fp32: tf32x3 products; a gradient launch per gradient keeps each compile short
     grad_parts = (1, 2, 4) if fp32 else (1, 6)
-    if not wide and can_keep and max(n_fwd, n_bwd) <= SHORT_CHUNKS:
+    if not wide and keep and max(n_fwd, n_bwd) <= SHORT_CHUNKS:
         # a short sequence: host work per launch outweighs a longer walk
         fwd_seg = bwd_seg = 1
         grad_parts = grad_parts if fp32 else (7,)
-    if wide and fp32:
-        bwd_warps = 16   # the 8-warp fp32 gradient kernels were a first call's slowest compile
     return ChunkConfig(fwd_chunk=fwd_chunk, bwd_chunk=bwd_chunk, fwd_segments=fwd_seg, bwd_segments=bwd_seg,
                        fwd_warps=fwd_warps, bwd_warps=bwd_warps, fwd_block_v=block_v, grad_parts=grad_parts,
                        save_states=keep, bf16_snapshots=True, bwd_pieces=rule_pieces(wide, bwd_seg, n_bwd))

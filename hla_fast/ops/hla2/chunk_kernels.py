@@ -22,7 +22,8 @@ G, g1, g2, gl, gC of ``hla_fast/ops/common/gates.py``):
     M  = N o G
     O  = diag(g2) Q W0 + M V                          den = diag(g2) Q z0 + M 1
     S  <- gC S0 + (diag(gl) K)^T K2
-    W  <- gC^2 W0 + gC S0 (Q2^T diag(gl) V) + (diag(gl) K)^T (Ym diag(gl) V)
+    W  <- gC^2 W0 + P diag(gl) V,    P = gC S0 Q2^T + (diag(gl) K)^T Ym   [K, C]
+          (= gC^2 W0 + gC S0 (Q2^T diag(gl) V) + (diag(gl) K)^T (Ym diag(gl) V), in one product)
     z  <- the same as W with V -> 1
 
 Every factor is exp of an exponent <= 0. Masks are applied by selection (``tl.where``), not by
@@ -66,22 +67,19 @@ def _chunk_carry(b_kt, b_k2, b_q2t, b_ym, b_v, S, W, z, gl, gC,
                  NORM: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr):
     """The state at the next chunk's start from (S0, W0, z0) at this one's.
 
-    Also returns Q2^T diag(gl) V [BK, BV] and Q2^T gl [BK] (the segment moments C, Cz)."""
-    b_vg = b_v * gl[:, None]                                       # diag(gl) V     [BT, BV]
+    W's two new terms share their right factor diag(gl) V, so they are one product:
+    W <- gC^2 W0 + P diag(gl) V with P = gC S0 Q2^T + (diag(gl) K)^T Ym [BK, BT], and z the same
+    with V -> 1 (z <- gC^2 z0 + P gl). Three products instead of four, and the K x K2 x V one of
+    S0 (Q2^T Vg) becomes the K x K2 x BT one of S0 Q2^T."""
     b_kgt = b_kt * gl[None, :]                                     # (diag(gl) K)^T [BK, BT]
-    b_qtv = dot(b_q2t, b_vg, IS_BF16, PREC)                        # Q2^T Vg        [BK, BV]
-    b_yv = dot(b_ym, b_vg, IS_BF16, PREC)                          # Ym Vg          [BT, BV]
-    W_new = W * (gC * gC) + dot(S, b_qtv, IS_BF16, PREC) * gC + dot(b_kgt, b_yv, IS_BF16, PREC)
+    b_p = dot(S, b_q2t, IS_BF16, PREC) * gC + dot(b_kgt, b_ym, IS_BF16, PREC)   # P [BK, BT]
+    W_new = W * (gC * gC) + dot(b_p, b_v * gl[:, None], IS_BF16, PREC)          # [BK, BV]
     if NORM:
-        b_qg = tl.sum(b_q2t.to(tl.float32) * gl[None, :], axis=1)                  # Q2^T gl [BK]
-        b_yg = tl.sum(b_ym * gl[None, :], axis=1)                                   # Ym gl   [BT]
-        z_new = z * (gC * gC) + tl.sum(S * b_qg[None, :], axis=1) * gC
-        z_new += tl.sum(b_kgt.to(tl.float32) * b_yg[None, :], axis=1)
+        z_new = z * (gC * gC) + tl.sum(b_p * gl[None, :], axis=1)                  # [BK]
     else:
-        b_qg = 0.0
         z_new = z
     S_new = S * gC + dot(b_kgt, b_k2, IS_BF16, PREC)               # [BK, BK]
-    return S_new, W_new, z_new, b_qtv, b_qg
+    return S_new, W_new, z_new
 
 
 @triton.jit
@@ -188,7 +186,7 @@ def hla2_fwd_kernel(
             tl.store(o + off_v + t[:, None] * (H * V) + rv[None, :], b_o.to(o.dtype.element_ty),
                      mask=mt[:, None] & mv[None, :])
         # -- carry the state to the next chunk's start ------------------------------------
-        S, W, z, _, _ = _chunk_carry(b_kt, b_k2, b_q2t, b_ym, b_v, S, W, z, gl, gC, NORM, IS_BF16, PREC)
+        S, W, z = _chunk_carry(b_kt, b_k2, b_q2t, b_ym, b_v, S, W, z, gl, gC, NORM, IS_BF16, PREC)
 
     if STORE_FINAL:
         if i_n == NSEG - 1:
@@ -240,10 +238,10 @@ def hla2_fwd_summary_kernel(
         b_kt, b_q2t, b_k2, b_v, b_ym, G, g1, g2, gl, gC, bL = _carry_tiles(
             k, q2, k2, v, g, off_k, off_k2, off_v, off_g, log_gamma, t, mt, rk, mk, mk2, rv, mv, upper,
             H, K, K2, V, BT, HAS_G, HAS_DECAY, IS_BF16, PREC)
-        S, W, z, b_qtv, b_qg = _chunk_carry(b_kt, b_k2, b_q2t, b_ym, b_v, S, W, z, gl, gC, NORM, IS_BF16, PREC)
-        C = C * gC + b_qtv
+        S, W, z = _chunk_carry(b_kt, b_k2, b_q2t, b_ym, b_v, S, W, z, gl, gC, NORM, IS_BF16, PREC)
+        C = C * gC + dot(b_q2t, b_v * gl[:, None], IS_BF16, PREC)                  # + Q2^T diag(gl) V
         if NORM:
-            Cz = Cz * gC + b_qg
+            Cz = Cz * gC + tl.sum(b_q2t.to(tl.float32) * gl[None, :], axis=1)     # + Q2^T gl
         log_rho += bL
     i_sg = i_bh.to(tl.int64) * NSEG + i_n
     if i_v == 0:
