@@ -104,6 +104,36 @@ def test_gradients(dtype, K, V, normalize, poison):
         assert rel(a, b) < (2 * tol if name == "dg" else tol), name
 
 
+@pytest.mark.parametrize("dtype,T,short", [
+    (torch.bfloat16, 2000, True), (torch.float32, 2000, True), (torch.float16, 2000, True),
+    (torch.float16, 4097, False),
+])
+def test_gradients_in_the_rule_layouts(dtype, T, short, poison):
+    """The configuration rule's layouts as a caller gets them (config=None): a short sequence (at most
+    SHORT_CHUNKS chunks: one segment, kept states; bf16 computes every gradient in one launch) and,
+    for fp16, whose tiles are fp32, a segmented walk with kept states. Gradients against float64."""
+    from hla_fast.ops.hla2 import chunk
+
+    B, H, K, V = 2, 3, 64, 64
+    cfg = hla_fast.hla2_config(B, T, H, K, V, dtype, torch.device("cuda"))
+    assert (cfg.fwd_segments == 1 and cfg.bwd_segments == 1) == short and cfg.save_states
+    assert (cfg.grad_parts == (7,)) == (short and dtype == torch.bfloat16)
+    assert chunk.SHORT_CHUNKS >= -(-T // cfg.fwd_chunk) or not short
+    q, k, v = rand_qkv(B, T, H, K, V, seed=T, scale=0.2, device="cuda", dtype=dtype)
+    g = rand_gates(B, T, H, seed=T + 1, strength=0.01, device="cuda")
+    S0 = torch.rand(B, H, K, K, device="cuda") * 0.02
+    S0 = S0 + S0.transpose(-1, -2)
+    W0 = torch.randn(B, H, K, V, device="cuda") * 0.02
+    do = torch.randn(B, T, H, V, device="cuda", dtype=torch.float64)
+    # fp32: tf32x3 products; fp16: fp32 tiles with tf32 products (10-bit mantissas); bf16: 8-bit operands
+    tol = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
+    got = _grads(q, k, v, g, S0, W0, do, dtype, "triton", False)
+    want = _grads(q, k, v, g, S0, W0, do, torch.float64, "torch", False)
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "dS0", "dW0"], got, want):
+        assert torch.isfinite(a).all(), name
+        assert rel(a, b) < (2 * tol if name == "dg" else tol), name
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_segments_equal_one_walk(dtype, poison):
     q, k, v = rand_qkv(2, 8191, 3, 64, 64, seed=6, scale=0.3, device="cuda", dtype=dtype)

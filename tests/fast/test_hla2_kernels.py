@@ -226,6 +226,8 @@ def test_configuration_rule(monkeypatch):
     c = hla_fast.hla2_config(4, 32768, 16, 64, 64, torch.float32, cuda)
     assert (c.bwd_warps, c.grad_parts, c.bwd_segments) == (4, (1, 2, 4), 4)
     assert hla_fast.hla2_config(4, 2048, 16, 64, 64, torch.float32, cuda).grad_parts == (1, 2, 4)
+    c = hla_fast.hla2_config(4, 2048, 16, 64, 64, torch.float16, cuda)   # fp32 tiles: one launch would not fit
+    assert (c.fwd_segments, c.bwd_segments, c.grad_parts) == (1, 1, (1, 6))
     c = hla_fast.hla2_config(4, 32768, 16, 128, 128, torch.float32, cuda)
     assert (c.fwd_chunk, c.bwd_chunk, c.bwd_warps, c.grad_parts, c.save_states) == (16, 16, 8, (1, 2, 4), True)
     c = hla_fast.hla2_config(4, 32768, 16, 64, 64, torch.float32, cpu, chunk_size=128)

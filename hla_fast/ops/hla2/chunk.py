@@ -89,7 +89,8 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
       call's slowest compile, and a call's kernels compile in parallel (``hla2_h200_first_call_rule.md``,
       ``compile_report.py``; ``hla2_h200_fp32_layouts_first.json`` for the 8-warp layout not taken);
     * short sequences, at most SHORT_CHUNKS chunks, with heads up to 64 wide: one segment in both
-      walks and every gradient in one launch (fp32 keeps its three): a training call launches
+      walks and, for bf16, every gradient in one launch (fp32 and fp16 inputs, whose tiles are fp32,
+      keep theirs: one launch of fp32 tiles needs 320 KB of shared memory): a training call launches
       three kernels instead of eight, and there the host's work per launch outweighs the longer
       walk (``hla2_h200_short_layouts_first.md``, ``hla2_h200_short_layouts.md``);
     * the forward keeps its chunk-start states for the backward when both passes use one chunk
@@ -122,7 +123,8 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     if not wide and keep and max(n_fwd, n_bwd) <= SHORT_CHUNKS:
         # a short sequence: host work per launch outweighs a longer walk
         fwd_seg = bwd_seg = 1
-        grad_parts = grad_parts if fp32 else (7,)
+        if dtype == torch.bfloat16:
+            grad_parts = (7,)   # fp32 tiles (fp32 and fp16 inputs) would need 320 KB of shared memory
     return ChunkConfig(fwd_chunk=fwd_chunk, bwd_chunk=bwd_chunk, fwd_segments=fwd_seg, bwd_segments=bwd_seg,
                        fwd_warps=fwd_warps, bwd_warps=bwd_warps, fwd_block_v=block_v, grad_parts=grad_parts,
                        save_states=keep, bf16_snapshots=True, bwd_pieces=rule_pieces(wide, bwd_seg, n_bwd))
