@@ -91,10 +91,13 @@ def host_profile(run, n=200, top=25):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--Ts", default="1024,2048,4096,8192,16384,32768")
-    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--dim", type=int, default=64, help="K = V, at most 64 (the seg_* layouts are those of "
+                                                          "4-warp programs, two a multiprocessor)")
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     args = ap.parse_args()
+    if not 1 <= args.dim <= 64:
+        ap.error(f"--dim must be in 1..64, got {args.dim}")
     if not bh.CUDA:
         raise SystemExit("short_layouts.py times CUDA calls: run it on a GPU machine")
     B, H, D = 4, 16, args.dim

@@ -163,3 +163,12 @@ def test_first_call_refuses_a_config_that_is_not_an_object():
     run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "first_call.py"), "--config", "[1, 2]"],
                          capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=300)
     assert run.returncode == 2 and "--config: expected a JSON object of ChunkConfig fields" in run.stderr
+
+
+def test_short_layouts_refuses_wide_heads_and_needs_cuda():
+    script = os.path.join(ROOT, "benchmarks", "short_layouts.py")
+    run = subprocess.run([sys.executable, script, "--dim", "128"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "--dim must be in 1..64, got 128" in run.stderr
+    if not torch.cuda.is_available():
+        run = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
+        assert run.returncode != 0 and "run it on a GPU machine" in run.stderr
