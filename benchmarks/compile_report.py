@@ -32,11 +32,14 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+for _p in (ROOT, os.path.join(ROOT, "benchmarks")):   # hla_fast, and config_arg beside this script
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+
+from config_arg import HELP, config_changes  # noqa: E402
 
 OPS = ("hla2", "ahla", "hla3")
 SMS = 132  # multiprocessors of an H200
@@ -228,7 +231,7 @@ def main(argv=None):
     for name in ("B", "T", "H", "K", "V"):
         ap.add_argument(name, type=int)
     ap.add_argument("dtype", choices=("bfloat16", "float32", "float16"))
-    ap.add_argument("--config", default="{}", help="JSON of ChunkConfig fields to change from the rule's")
+    ap.add_argument("--config", type=config_changes, default={}, help=HELP)
     ap.add_argument("--pass", dest="which", choices=("both", "forward"), default="both")
     ap.add_argument("--gates", action="store_true", help="log-gates g (that require grad) instead of gamma")
     ap.add_argument("--only", default=None, help="compile only kernels whose name contains this")
@@ -241,11 +244,7 @@ def main(argv=None):
     cache = tempfile.mkdtemp(prefix="hla-compile-report-")
     os.environ["TRITON_CACHE_DIR"] = cache
     atexit.register(shutil.rmtree, cache, True)
-    try:
-        changes = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(args.config).items()}
-    except (json.JSONDecodeError, AttributeError) as e:
-        ap.error(f"--config: expected a JSON object of ChunkConfig fields, got {args.config!r} ({e})")
-    res = report(args.op, args.B, args.T, args.H, args.K, args.V, getattr(torch, args.dtype), changes,
+    res = report(args.op, args.B, args.T, args.H, args.K, args.V, getattr(torch, args.dtype), args.config,
                  args.which == "forward", args.gates, args.only)
     if args.out:
         import datetime

@@ -31,8 +31,11 @@ import time
 
 T_START = time.perf_counter()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+for _p in (ROOT, os.path.join(ROOT, "benchmarks")):   # hla_fast, and config_arg beside this script
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from config_arg import HELP, config_changes  # noqa: E402  (no torch: the import is timed below)
 
 
 def main():
@@ -43,12 +46,9 @@ def main():
     ap.add_argument("--B", type=int, default=4)
     ap.add_argument("--T", type=int, default=2048)
     ap.add_argument("--H", type=int, default=16)
-    ap.add_argument("--config", default=None, help="JSON of ChunkConfig fields changed from the rule's")
+    ap.add_argument("--config", type=config_changes, default={}, help=HELP)
     args = ap.parse_args()
-    try:
-        changes = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(args.config or "{}").items()}
-    except (json.JSONDecodeError, AttributeError) as e:
-        ap.error(f"--config: expected a JSON object of ChunkConfig fields, got {args.config!r} ({e})")
+    changes = args.config
     out = {"dtype": args.dtype, "K": args.dim, "V": args.dim, "flag": args.flag, "B": args.B, "T": args.T,
            "H": args.H, "pid": os.getpid(),
            "interpret": os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"), "config_changes": changes}
