@@ -114,15 +114,16 @@ def main():
         q, k, v = bh.make_inputs(B, T, H, D, D)
         do = torch.randn_like(v)
         row = {"T": T}
-        cands = {n: hla_with(layout_config(n, B, T, H, D)) for n in names}
+        cfgs = {n: layout_config(n, B, T, H, D) for n in names}
+        cands = {n: hla_with(cfg) for n, cfg in cfgs.items()}
         cands["sdpa"] = bh.sdpa
         for n, fn in cands.items():
             for s, run in (("fwd", bh.fwd_only(fn, (q, k, v))), ("fwdbwd", bh.fwd_bwd(fn, (q, k, v), do))):
                 row[f"{n}_{s}_loop_ms"] = bh.loop_ms(run)
                 row[f"{n}_{s}_median_ms"] = bh.bench_ms(run)
                 row[f"{n}_{s}_kernels"] = bh.count_kernels(run)["kernels"]
-        row["configs"] = {n: str(layout_config(n, B, T, H, D) or hla_fast.hla2_config(
-            B, T, H, D, D, torch.bfloat16, torch.device(bh.DEVICE))) for n in names}
+        row["configs"] = {n: str(cfg or hla_fast.hla2_config(B, T, H, D, D, torch.bfloat16, torch.device(bh.DEVICE)))
+                          for n, cfg in cfgs.items()}
         res["rows"].append(row)
         bh.log(f"T={T}: " + ", ".join(f"{n} {row[f'{n}_fwd_loop_ms']:.3f}/{row[f'{n}_fwdbwd_loop_ms']:.3f}"
                                       for n in cands))
