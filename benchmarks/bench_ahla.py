@@ -91,10 +91,13 @@ def ahla_g(q, k, v, g):
 def variant_changes(K):
     """Layouts to compare against the rule's: name -> ChunkConfig.replace(**changes), applied to
     the rule's inference layout for the forward alone and to its training layout for forward +
-    backward. Both sizes: the per-chunk gradients in one, two or three launches, 4 and 8 warps,
-    one segment. K = 64 adds the forward's segments, warps and chunk; wider heads add the forward
-    of 64 whose states the backward recomputes at 32 and the warps of each pass."""
-    out = {"rule": {}, "grad_1_6": {"grad_parts": (1, 6)}, "grad_1_2_4": {"grad_parts": (1, 2, 4)},
+    backward. Both sizes: walks that load ahead in neither pass or both, the per-chunk gradients
+    in one, two or three launches, 4 and 8 warps, one segment. K = 64 adds the forward's segments, warps and chunk; wider heads add the forward
+    of 64 whose states the backward recomputes at 32, the warps of each pass, and 8-warp forwards
+    with and without loading ahead."""
+    out = {"rule": {}, "no_prefetch": {"fwd_prefetch": False, "bwd_prefetch": False},
+           "prefetch": {"fwd_prefetch": True, "bwd_prefetch": True},
+           "grad_1_6": {"grad_parts": (1, 6)}, "grad_1_2_4": {"grad_parts": (1, 2, 4)},
            "grad_3_4": {"grad_parts": (3, 4)}, "warps_4": {"fwd_warps": 4, "bwd_warps": 4},
            "warps_8": {"fwd_warps": 8, "bwd_warps": 8}, "one_segment": {"fwd_segments": 1, "bwd_segments": 1}}
     if K <= 64:
@@ -106,7 +109,9 @@ def variant_changes(K):
         out.update({"fwd_64_recomputed": {"fwd_chunk": 64, "save_states": False},
                     "fwd_warps_4": {"fwd_warps": 4}, "fwd_warps_8": {"fwd_warps": 8}, "bwd_warps_4": {"bwd_warps": 4},
                     "grad_1_6_bwd_warps_4": {"grad_parts": (1, 6), "bwd_warps": 4},
-                    "warps_4_segments_2": {"fwd_warps": 4, "bwd_warps": 4, "fwd_segments": 2, "bwd_segments": 2}})
+                    "warps_4_segments_2": {"fwd_warps": 4, "bwd_warps": 4, "fwd_segments": 2, "bwd_segments": 2},
+                    "fwd_warps_8_no_prefetch": {"fwd_warps": 8, "fwd_prefetch": False},
+                    "fwd_32_warps_8": {"fwd_chunk": 32, "fwd_warps": 8, "fwd_prefetch": True}})
     return out
 
 
@@ -238,6 +243,9 @@ def main():
     ap.add_argument("--dims", default=None, help="comma list of K=V head sizes (default 64,128; 16,32 with --cpu-smoke)")
     ap.add_argument("--Ts", default=None, help=f"comma list of sequence lengths (default 1024..{TARGET_T}; 32,64 with --cpu-smoke)")
     ap.add_argument("--sections", default="", help="comma list of the only sections to run: " + ",".join(SECTIONS))
+    ap.add_argument("--variants", default=None,
+                    help="comma list of the only layouts the variants section times (names from variant_changes; "
+                         "default all)")
     ap.add_argument("--first-call-timeout", type=float, default=300.0)
     ap.add_argument("--first-call-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -248,6 +256,11 @@ def main():
     if not CUDA and not args.cpu_smoke:
         ap.error("no CUDA device: use --cpu-smoke on a machine without a GPU")
     chosen = [s for s in SECTIONS if not args.sections or s in args.sections.split(",")]
+    if args.variants:
+        known = set(variant_changes(64)) | set(variant_changes(128))
+        unknown = sorted(set(args.variants.split(",")) - known)
+        if unknown:
+            ap.error(f"--variants: unknown layouts {unknown}; known: {', '.join(sorted(known))}")
     smoke = args.cpu_smoke
     os.makedirs(args.out, exist_ok=True)
     chunk_linear_attn, fla_version = load_fla()
@@ -309,6 +322,8 @@ def main():
             bases = {s: hla_fast.ahla_config(B, T, H, D, D, q.dtype, q.device, 64, training=s == "fwdbwd")
                      for s in ("fwd", "fwdbwd")}
             for name, changes in variant_changes(D).items():
+                if args.variants and name not in args.variants.split(","):
+                    continue
                 row = {"K": D, "T": T, "variant": name, "changes": changes}
                 try:
                     for s, base in bases.items():
@@ -341,14 +356,21 @@ def main():
         src = torch.cat([st.P.flatten(), st.E.flatten()])
         dst = torch.empty_like(src)
         copy_ms = median_ms(lambda: dst.copy_(src))
-        ms = median_ms(lambda: hla_fast.ahla_step(q, k, v, st, gamma=GAMMA, backend="triton"))
+
+        def step():
+            return hla_fast.ahla_step(q, k, v, st, gamma=GAMMA, backend="triton")
+
+        # one timing thrown away first, as in bench_hla2.py: the section's first timing ran slow
+        # (ahla_h200_decode_unwarmed.md: 150 us, where the gated step timed after it took 82 us)
+        median_ms(step)
+        ms = median_ms(step)
         ms_g = median_ms(lambda: hla_fast.ahla_step(q, k, v, st, g=gates, backend="triton"))
         res["decode"] = {"B": Bd, "H": Hd, "K": Kd, "V": Vd, "ms": ms, "g_ms": ms_g, "state_copy_ms": copy_ms,
                          "state_bytes_rw": sb, "gbs": sb / ms / 1e6, "fraction_of_copy": copy_ms / ms,
                          "g_fraction_of_copy": copy_ms / ms_g,
                          "torch_ms": median_ms(lambda: hla_fast.ahla_step(q, k, v, st, gamma=GAMMA, backend="torch"))}
         if CUDA:  # replayed from a CUDA graph: the kernel without the call's host work
-            gms = graph_ms(lambda: hla_fast.ahla_step(q, k, v, st, gamma=GAMMA, backend="triton"))
+            gms = graph_ms(step)
             res["decode"].update(graph_ms=gms, graph_fraction_of_copy=copy_ms / gms)
         log(f"decode {res['decode']}")
         write_report(res, args.out, args.tag, show=False)

@@ -93,7 +93,8 @@ def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, 
                              launch=rec)
     elif op == "ahla":
         snap = chunk._snapshot_dtype(cfg, dtype) if save else None
-        cs = chunk.fwd_launch(q, k, v, g, gamma, None, None, None, None, snapshots=snap, **common)[6]
+        cs = chunk.fwd_launch(q, k, v, g, gamma, None, None, None, None, snapshots=snap, prefetch=cfg.fwd_prefetch,
+                              **common)[6]
         if not forward_only:
             chunk.bwd_launch(q, k, v, do, g, gamma, None, None, None, None, cfg, states=cs, want_db=gates,
                              launch=rec)

@@ -37,6 +37,8 @@ def load(name):
                                           ("bench_ahla", "ahla_h200_layouts"),
                                           ("bench_ahla", "ahla_h200_first_call"),
                                           ("bench_ahla", "ahla_h200_variants"),
+                                          ("bench_ahla", "ahla_h200_prefetch"),
+                                          ("bench_ahla", "ahla_h200_decode_unwarmed"),
                                           ("profile_kernels", "kernels_h200"),
                                           ("profile_kernels", "kernels_ahla_h200"),
                                           ("profile_kernels", "kernels_ahla_h200_outer_scan"),
@@ -70,6 +72,23 @@ def test_hla3_layout_sweep_runs_on_the_interpreter(tmp_path):
         assert r["hla3_fwd_ms"] > 0 and r["hla3_fwdbwd_ms"] > 0
     md = (tmp_path / "hla3_t.md").read_text()
     assert "## Layouts at the largest T" in md and md.count("| 64 | 16 |") == len(rows)
+
+
+def test_ahla_variants_named_on_the_command_line(tmp_path):
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_ahla.py"), "--cpu-smoke",
+                          "--sections", "variants", "--dims", "16", "--Ts", "40", "--variants", "rule,no_prefetch",
+                          "--out", str(tmp_path), "--tag", "t"], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads((tmp_path / "ahla_t.json").read_text())["variants"]
+    assert [r["variant"] for r in rows] == ["rule", "no_prefetch"]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0
+    assert "fwd_prefetch=False, bwd_prefetch=False" in rows[1]["fwdbwd_config"]
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_ahla.py"), "--cpu-smoke",
+                          "--sections", "variants", "--variants", "rule,no_prefech", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert bad.returncode == 2 and "--variants: unknown layouts ['no_prefech']" in bad.stderr
 
 
 def test_bench_hla3_refuses_an_unknown_section(tmp_path):

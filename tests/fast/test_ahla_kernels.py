@@ -28,9 +28,9 @@ decode = importlib.import_module("hla_fast.ops.ahla.decode")
 TOL = 1e-5
 
 
-def _cfg(fwd_chunk=16, bwd_chunk=16, block_v=16, save_states=True):
+def _cfg(fwd_chunk=16, bwd_chunk=16, block_v=16, save_states=True, prefetch=True):
     return ChunkConfig(fwd_chunk=fwd_chunk, bwd_chunk=bwd_chunk, fwd_block_v=block_v, grad_parts=(7,),
-                       save_states=save_states)
+                       save_states=save_states, fwd_prefetch=prefetch, bwd_prefetch=prefetch)
 
 
 def _inputs(device, B=1, T=45, H=2, K=12, V=20, seed=5, positive=False):
@@ -59,14 +59,16 @@ def test_every_chunk_size_is_the_index_sum(C, T, device, poison):
 @pytest.mark.parametrize("bwd_chunk", [16, 32])
 @pytest.mark.parametrize("save_states", [False, True])
 @pytest.mark.parametrize("segments", [1, 3])
-def test_backward_chunks_and_kept_or_recomputed_states(bwd_chunk, save_states, segments, device, poison):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_backward_chunks_and_kept_or_recomputed_states(bwd_chunk, save_states, segments, prefetch, device, poison):
     """The backward's chunk need not be the forward's (then the states are recomputed); kept and
-    recomputed chunk-start states, one walk or segments, give the same gradients."""
+    recomputed chunk-start states, one walk or segments (T = 50: the last one shorter), walks that
+    load their next chunk ahead or not, give the same gradients."""
     q, k, v, g = _inputs(device, T=50, seed=6)
     do = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=torch.Generator().manual_seed(7))
     leaves = [x.clone().requires_grad_() for x in (q, k, v, g)]
     o, _ = hla_fast.ahla(*leaves[:3], g=leaves[3], backend="triton",
-                         config=_cfg(bwd_chunk=bwd_chunk, save_states=save_states).replace(
+                         config=_cfg(bwd_chunk=bwd_chunk, save_states=save_states, prefetch=prefetch).replace(
                              fwd_segments=segments, bwd_segments=segments))
     got = torch.autograd.grad((o * do.to(device)).sum(), leaves)
     o64, want = _grads64(q, k, v, g, do)
@@ -199,6 +201,13 @@ def test_config_rule_and_wide_segments_refused(device):
     assert long.bwd_segments == 1 and long.bwd_pieces == launch.BWD_PIECES  # 1024 chunks in one segment
     assert chunk.ahla_config(4, 32768, 16, 128, 128, torch.bfloat16, torch.device(device), 64).bwd_pieces == 1
     assert chunk.ahla_config(2, 4096, 4, 64, 64, torch.bfloat16, torch.device(device), 64, training=True) == cfg
+    # bf16 walks load ahead, except the 4-warp forward of 128-wide keys and the 4-warp backward walks
+    bf16 = bf16_dots(torch.bfloat16)
+    assert (cfg.fwd_prefetch, cfg.bwd_prefetch) == (bf16, False)
+    assert (wide.fwd_prefetch, wide.bwd_prefetch) == (False, bf16)
+    assert (train.fwd_prefetch, train.bwd_prefetch) == (bf16, bf16)
+    f32 = chunk.ahla_config(2, 4096, 4, 128, 128, torch.float32, torch.device(device), 64, training=True)
+    assert not f32.fwd_prefetch and not f32.bwd_prefetch
     widest = chunk.ahla_config(1, 4096, 1, 256, 64, torch.bfloat16, torch.device(device), 64)
     assert widest.fwd_segments == widest.bwd_segments == 1 and widest.fwd_chunk == 32
     assert hla_fast.ahla_config is chunk.ahla_config

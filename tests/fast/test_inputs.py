@@ -162,6 +162,22 @@ def test_backward_pieces_only_where_the_operator_has_them(op, device):
 
 
 @OPS
+def test_prefetch_only_where_the_operator_has_it(op, device):
+    q, k, v = _qkv(device=device)
+    for fields in ({"fwd_prefetch": True}, {"bwd_prefetch": True}):
+        cfg = hla_fast.ChunkConfig(fwd_chunk=16, bwd_chunk=16, fwd_block_v=16, **fields)
+        if op.name == "ahla":
+            o, _ = op.op(q, k, v, backend="triton", config=cfg)   # its walks load ahead
+            assert o.shape == v.shape
+        else:
+            with pytest.raises(ValueError, match=f"config.fwd_prefetch and config.bwd_prefetch must be False for "
+                                                 f"{op.name}"):
+                op.op(q, k, v, backend="triton", config=cfg)
+    with pytest.raises(TypeError, match="config.fwd_prefetch"):
+        cfg.replace(fwd_prefetch=1)
+
+
+@OPS
 def test_cpu_tensors_to_triton_without_interpreter(op, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     q, k, v = _qkv()

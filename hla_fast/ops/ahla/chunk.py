@@ -12,6 +12,9 @@ outputs), a walk from the last chunk to the first carrying only the state gradie
 The gradient of the log-gates g follows from dq and dk (see ``chunk_kernels.py``) plus the final
 state's share. Segments need keys of at most 128: a fold holds a K x K fp32 tile.
 
+With ``config.fwd_prefetch`` / ``config.bwd_prefetch`` the forward's / backward's walks load each
+next chunk's tiles while computing the current one (PREFETCH in ``chunk_kernels.py``).
+
 Normalization: the forward carries the denominator's state (p, e) beside (P, E) and divides
 in-kernel. The backward differentiates the unnormalized operator on the value [v | 1] with the
 output gradient [do / (den + eps) | -(do . o) / (den + eps)] (the denominator is the operator
@@ -81,7 +84,13 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     * the forward keeps its chunk-start states for the backward when both use one chunk size;
     * training heads wider than 64 whose backward walk is one segment walk it in pieces, HLA2's rule
       (``common.launch.rule_pieces``): the chunk-end state gradients for a quarter of the sequence
-      at a time (``ahla_h200_ab_pieces.json``).
+      at a time (``ahla_h200_ab_pieces.json``);
+    * bf16 walks load each next chunk's tiles ahead (``fwd_prefetch``, ``bwd_prefetch``;
+      ``ahla_h200_prefetch.md``, T = 32k): the forward's at K = V = 64 (0.881 against 0.962 ms)
+      and in 8 warps, the backward's in 8 warps (forward + backward at K = V = 128: 17.2 against
+      19.5 ms); not the 4-warp backward walks of K = V = 64 (3.57 against 3.45 ms) nor the 4-warp
+      forward of key tiles of 128, whose prefetched tiles spill 2.7 KB of registers a thread (5.06
+      against 2.50 ms). fp32 and fp16 tiles take twice the registers; they were not measured.
     Off CUDA (the interpreter) every walk is one segment. The result is immutable, so it is cached
     per shape.
 
@@ -101,7 +110,8 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
         fwd_chunk = chunk_size
     block_v = min(64, pow2_block(V, min_value_block(device)))
     bwd_warps = 4 if BK <= 64 else 8
-    fwd_warps = 4 if BK <= 64 or (BK <= 128 and not training and bf16_dots(dtype)) else 8
+    bf16 = bf16_dots(dtype)
+    fwd_warps = 4 if BK <= 64 or (BK <= 128 and not training and bf16) else 8
     fwd_seg = bwd_seg = 1
     if K <= SEGMENT_MAX_K:
         # key tiles of 128 count one program a multiprocessor whatever the warps: the 4-warp forward
@@ -113,7 +123,8 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     return ChunkConfig(fwd_chunk=fwd_chunk, bwd_chunk=bwd_chunk, fwd_segments=fwd_seg, bwd_segments=bwd_seg,
                        fwd_warps=fwd_warps, bwd_warps=bwd_warps, fwd_block_v=block_v, grad_parts=(7,),
                        save_states=fwd_chunk == bwd_chunk, bf16_snapshots=True,
-                       bwd_pieces=rule_pieces(wide and training, bwd_seg, cdiv(T, bwd_chunk)))
+                       bwd_pieces=rule_pieces(wide and training, bwd_seg, cdiv(T, bwd_chunk)),
+                       fwd_prefetch=bf16 and (BK <= 64 or fwd_warps == 8), bwd_prefetch=bf16 and BK > 64)
 
 
 def bwd_blocks(K: int, V: int, device: torch.device):
@@ -168,14 +179,15 @@ def _common(q, gamma, g):
                 PREC=dot_precision(q.dtype)), log_gamma(gamma) if g is None else 0.0
 
 
-def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, segments=1, outputs=True,
-               normalize=False, eps=0.0, store_final=True, snapshots=None, launch=launch_kernel):
+def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, segments=1, prefetch=False,
+               outputs=True, normalize=False, eps=0.0, store_final=True, snapshots=None, launch=launch_kernel):
     """Run the forward walk (after the segment summaries and fold when ``segments > 1``).
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] or None; all contiguous. p0, e0: fp32
     [B, H, K, V] or None; pn0, en0: fp32 [B, H, K] or None (zeros when normalizing from a state
     without them). outputs: compute o (else only states). normalize: carry (p, e) and divide by
     (den + eps). snapshots: None, or the dtype to store every chunk-start state (P, E) in.
+    prefetch: the walks load each next chunk's tiles ahead (``ChunkConfig.fwd_prefetch``).
     Returns (o [B, T, H, V] or None, den [B, T, H] fp32 or None, P_T, E_T, p_T or None,
     e_T or None, (cs_p, cs_e) [B*H, NT, K, V] or None)."""
     B, T, H, K = q.shape
@@ -187,6 +199,7 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
     NS, nseg = split_segments(NT, segments)
     flags, lg = _common(q, gamma, g)
     kw = dict(H=H, K=K, V=V, BT=chunk, BK=BK, BV=BV, num_warps=warps, num_stages=1, **flags)
+    walk = dict(kw, PREFETCH=prefetch)
     if normalize and p0 is not None:
         pn0 = torch.zeros(B, H, K, device=dev, dtype=f32) if pn0 is None else pn0
         en0 = torch.zeros(B, H, K, device=dev, dtype=f32) if en0 is None else en0
@@ -204,7 +217,7 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
         sums = dict(sum_p=kv(), sum_e=kv(), sum_pn=kvec(), sum_en=kvec(),
                     sum_r=torch.empty(BH * nseg, K, K, device=dev, dtype=f32),
                     sum_lr=torch.empty(BH * nseg, device=dev, dtype=f32))
-        launch(ahla_fwd_summary_kernel, (NV, nseg, BH), q=q, k=k, v=v, g=g, **sums, log_gamma=lg, T=T, NS=NS, **kw)
+        launch(ahla_fwd_summary_kernel, (NV, nseg, BH), q=q, k=k, v=v, g=g, **sums, log_gamma=lg, T=T, NS=NS, **walk)
         seg = (kv(), kv(), kvec(), kvec())
         launch(ahla_fwd_fold_kernel, (NV, BH),
             **sums, h0_p=p0, h0_e=e0, h0_pn=pn0, h0_en=en0, seg_p=seg[0], seg_e=seg[1], seg_pn=seg[2],
@@ -224,7 +237,7 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
         q=q, k=k, v=v, g=g, o=o, den=den, h0_p=h0[0], h0_e=h0[1], h0_pn=h0[2], h0_en=h0[3],
         ht_p=ht[0], ht_e=ht[1], ht_pn=ht[2], ht_en=ht[3],
         cs_p=None if cs is None else cs[0], cs_e=None if cs is None else cs[1],
-        log_gamma=lg, eps=eps, T=T, NS=NS, **kw)
+        log_gamma=lg, eps=eps, T=T, NS=NS, **walk)
     return o, den, ht[0], ht[1], ht[2], ht[3], cs
 
 
@@ -247,8 +260,8 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
     snap = _snapshot_dtype(cfg, q.dtype)
     if states is None or states[0].dtype != snap:
         states = fwd_launch(q, k, v, g, gamma, p0, e0, None, None, chunk=BT, warps=nw, block_v=cfg.fwd_block_v,
-                            segments=cfg.fwd_segments, outputs=False, store_final=False, snapshots=snap,
-                            launch=launch)[6]
+                            segments=cfg.fwd_segments, prefetch=cfg.fwd_prefetch, outputs=False, store_final=False,
+                            snapshots=snap, launch=launch)[6]
     cs_p, cs_e = states
     do = do.contiguous()
     flags, lg = _common(q, gamma, g)
@@ -268,7 +281,7 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
                     sum_rt=torch.empty(BH * nseg, K, K, device=dev, dtype=f32),
                     sum_lr=torch.empty(BH * nseg, device=dev, dtype=f32))
         launch(ahla_bwd_summary_kernel, (NV, nseg, BH), q=q, k=k, do=do, g=g, **sums, log_gamma=lg, T=T, NS=NS,
-               **common)
+               PREFETCH=cfg.bwd_prefetch, **common)
         de = (torch.empty(BH * nseg, K, V, device=dev, dtype=f32), torch.empty(BH * nseg, K, V, device=dev, dtype=f32))
         launch(ahla_bwd_fold_kernel, (NV, BH),
             **sums, dht_p=dht_p if has_dht else None, dht_e=dht_e if has_dht else None, de_p=de[0], de_e=de[1],
@@ -289,7 +302,8 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
     def step(c0, n, end_grad, start_grad):
         launch(ahla_bwd_state_kernel, (NV, nseg, BH),
             q=q, k=k, do=do, g=g, dp_end=dp_end, de_end=de_end, de_p=end_grad[0], de_e=end_grad[1],
-            dh0_p=start_grad[0], dh0_e=start_grad[1], log_gamma=lg, T=T, NS=NS, C0=c0, NP=NP, **common)
+            dh0_p=start_grad[0], dh0_e=start_grad[1], log_gamma=lg, T=T, NS=NS, C0=c0, NP=NP,
+            PREFETCH=cfg.bwd_prefetch, **common)
         for i, parts in enumerate(cfg.grad_parts):
             launch(ahla_bwd_grad_kernel, (n, BH),
                 q=q, k=k, v=v, do=do, g=g, dq=dq, dk=dk, dv=dv, db=None if db is None else db[i], cs_p=cs_p,
@@ -319,7 +333,7 @@ def ahla_fwd(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg: ChunkConf
     save = keep_states and not normalize and cfg.fwd_chunk == cfg.bwd_chunk
     o, den, PT, ET, pT, eT, cs = fwd_launch(
         q, k, v, g, gamma, p0, e0, pn0, en0, chunk=cfg.fwd_chunk, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v,
-        segments=cfg.fwd_segments, normalize=normalize, eps=eps,
+        segments=cfg.fwd_segments, prefetch=cfg.fwd_prefetch, normalize=normalize, eps=eps,
         snapshots=_snapshot_dtype(cfg, q.dtype) if save else None, launch=launch)
     cs = (None, None) if cs is None else cs
     return o, den, PT, ET, pT, eT, cs[0], cs[1]

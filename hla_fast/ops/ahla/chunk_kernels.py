@@ -72,6 +72,14 @@ one on q~_x = e^{b_x} q_x, k~_x = e^{-b_x} k_x. Hence dL/db_s = q~_s.dq~_s - k~_
 q_s.dq_s - k_s.dk_s (v carries no gate), plus, at the last token, the final state's own factor
 e^{b_T}: <P_T, dP_T> + <E_T, dE_T> (+ the same for p, e). dg is the reverse cumulative sum of db.
 
+Loading ahead (PREFETCH). Each walk (forward, backward state walk, their segment summaries) may read
+the first chunk's tiles before its loop and, in every step, issue the next chunk's loads before
+computing the current chunk, carrying the tiles as read (``read_rows`` / ``read_cols``: no cast,
+which would wait for the data) into the next step. The memory latency then overlaps one chunk's
+products instead of preceding them; the price is the carried tiles' registers, so the rule
+(``chunk.ahla_config``) takes it only where it measured faster. The loads past the walk's range
+are masked to nothing.
+
 Masks are applied by selection (``tl.where``), not by multiplying with 0. The matrix products still
 multiply: a non-finite q or k at row r makes R's row r non-finite, and A R then reaches every row
 of the chunk (0 times a non-finite number); earlier chunks are untouched.
@@ -82,8 +90,8 @@ import triton
 import triton.language as tl
 
 from ..common.tiles import (
-    cast, chunk_beta, chunk_decays, chunk_decays_t, dot, load_cols, load_mat, load_mat_t, load_rows, load_vec,
-    mat_or_zeros, store_mat, vec_or_zeros,
+    cast, chunk_beta, chunk_decays, chunk_decays_t, chunk_factors, dot, load_cols, load_mat, load_mat_t, load_rows, load_vec,
+    mat_or_zeros, read_cols, read_rows, store_mat, vec_or_zeros,
 )
 
 
@@ -99,17 +107,42 @@ def _head_offsets(i_bh, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
 
 
 @triton.jit
-def _fwd_tiles(q, k, v, g, off_k, off_v, off_g, log_gamma, t, mt, rk, mk, rv, mv,
-               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-               HAS_G: tl.constexpr, HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr):
-    """What one chunk of the forward reads: Q [BT, BK], K^T [BK, BT] (a strided load), V [BT, BV],
-    and the decay factors G, g1, gl, gC, bL."""
-    b_q = load_rows(q + off_k, t, mt, rk, mk, H * K, IS_BF16)
-    b_kt = load_cols(k + off_k, t, mt, rk, mk, H * K, IS_BF16)
-    b_v = load_rows(v + off_v, t, mt, rv, mv, H * V, IS_BF16)
-    beta = chunk_beta(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
-    G, g1, g2, gl, gC, bL = chunk_decays(beta, mt, BT, HAS_DECAY)
-    return b_q, b_kt, b_v, G, g1, gl, gC, bL
+def _fwd_loads(q, k, v, off_k, off_v, t, mt, rk, mk, rv, mv, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """What one chunk of the forward reads, as stored (0 outside the sequence): Q [BT, BK],
+    K^T [BK, BT] (a strided load), V [BT, BV]. A walk with PREFETCH loads the next chunk's tiles
+    before computing the current chunk, so that their memory latency overlaps its products."""
+    b_q = read_rows(q + off_k, t, mt, rk, mk, H * K)
+    b_kt = read_cols(k + off_k, t, mt, rk, mk, H * K)
+    b_v = read_rows(v + off_v, t, mt, rv, mv, H * V)
+    return b_q, b_kt, b_v
+
+
+@triton.jit
+def _fwd_first_loads(q, k, v, off_k, off_v, t, end, rk, mk, rv, mv, H: tl.constexpr, K: tl.constexpr,
+                     V: tl.constexpr, PREFETCH: tl.constexpr):
+    """With PREFETCH the walk's first chunk's tiles (tokens t, none at or past ``end``) as read,
+    carried into its first step; else placeholders the steps pass through."""
+    if PREFETCH:
+        n_q, n_kt, n_v = _fwd_loads(q, k, v, off_k, off_v, t, t < end, rk, mk, rv, mv, H, K, V)
+    else:
+        n_q, n_kt, n_v = 0.0, 0.0, 0.0
+    return n_q, n_kt, n_v
+
+
+@triton.jit
+def _fwd_step_loads(q, k, v, n_q, n_kt, n_v, off_k, off_v, t, mt, end, rk, mk, rv, mv,
+                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                    IS_BF16: tl.constexpr, PREFETCH: tl.constexpr):
+    """This chunk's Q, K^T, V cast for the dots, and the tiles the walk carries to its next step.
+    PREFETCH: this chunk's are the carried n_q, n_kt, n_v (read a step ago) and the next chunk's
+    loads (tokens t + BT, none at or past ``end``) are issued now; else this chunk's are loaded
+    here and n_* pass through."""
+    if PREFETCH:
+        b_q, b_kt, b_v = n_q, n_kt, n_v
+        n_q, n_kt, n_v = _fwd_loads(q, k, v, off_k, off_v, t + BT, t + BT < end, rk, mk, rv, mv, H, K, V)
+    else:
+        b_q, b_kt, b_v = _fwd_loads(q, k, v, off_k, off_v, t, mt, rk, mk, rv, mv, H, K, V)
+    return cast(b_q, IS_BF16), cast(b_kt, IS_BF16), cast(b_v, IS_BF16), n_q, n_kt, n_v
 
 
 @triton.jit
@@ -161,7 +194,7 @@ def ahla_fwd_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
     HAS_G: tl.constexpr, HAS_INIT: tl.constexpr, HAS_O: tl.constexpr, SAVE_STATES: tl.constexpr,
-    STORE_FINAL: tl.constexpr, NORM: tl.constexpr,
+    STORE_FINAL: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """One program per (value block, segment, batch*head) walks its segment's chunks in order,
     keeping its columns of P and E (and all of p, e when NORM) in fp32 registers: outputs (HAS_O,
@@ -191,12 +224,15 @@ def ahla_fwd_kernel(
         pn = 0.0
         en = 0.0
 
+    end = tl.minimum(hi * BT, T)                       # first token past the segment
+    n_q, n_kt, n_v = _fwd_first_loads(q, k, v, off_k, off_v, lo * BT + rt, end, rk, mk, rv, mv, H, K, V, PREFETCH)
     for i_c in range(lo, hi):
         t = i_c * BT + rt
         mt = t < T
-        # -- the chunk's tiles and decay factors -------------------------------------------
-        b_q, b_kt, b_v, G, g1, gl, gC, bL = _fwd_tiles(q, k, v, g, off_k, off_v, off_g, log_gamma, t, mt,
-                                                       rk, mk, rv, mv, H, K, V, BT, HAS_G, HAS_DECAY, IS_BF16)
+        # -- the chunk's tiles (with PREFETCH loaded one step ahead) and decay factors -------
+        b_q, b_kt, b_v, n_q, n_kt, n_v = _fwd_step_loads(q, k, v, n_q, n_kt, n_v, off_k, off_v, t, mt, end, rk, mk,
+                                                         rv, mv, H, K, V, BT, IS_BF16, PREFETCH)
+        G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
         if SAVE_STATES:
             off_cs = (i_bh.to(tl.int64) * NT + i_c) * K * V
             store_mat(cs_p + off_cs, P, rk, mk, rv, mv, V)
@@ -241,7 +277,7 @@ def ahla_fwd_summary_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
-    HAS_G: tl.constexpr, NORM: tl.constexpr,
+    HAS_G: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Each segment's summary: the state (P, E[, p, e]) after it from a zero state, the undecayed
     moment R = sum_i k_i q_i^T and log rho = b_end - b_start (its total log decay). A start state
@@ -267,11 +303,14 @@ def ahla_fwd_summary_kernel(
         pn = 0.0
         en = 0.0
     log_rho = 0.0
+    end = tl.minimum(hi * BT, T)                       # first token past the segment
+    n_q, n_kt, n_v = _fwd_first_loads(q, k, v, off_k, off_v, lo * BT + rt, end, rk, mk, rv, mv, H, K, V, PREFETCH)
     for i_c in range(lo, hi):
         t = i_c * BT + rt
         mt = t < T
-        b_q, b_kt, b_v, G, g1, gl, gC, bL = _fwd_tiles(q, k, v, g, off_k, off_v, off_g, log_gamma, t, mt,
-                                                       rk, mk, rv, mv, H, K, V, BT, HAS_G, HAS_DECAY, IS_BF16)
+        b_q, b_kt, b_v, n_q, n_kt, n_v = _fwd_step_loads(q, k, v, n_q, n_kt, n_v, off_k, off_v, t, mt, end, rk, mk,
+                                                         rv, mv, H, K, V, BT, IS_BF16, PREFETCH)
+        G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
         b_a, b_r, r_n = _chunk_first_order(b_q, b_kt, b_v, P, pn, G, g1, NORM, IS_BF16, PREC)
         P, E, pn, en = _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM, IS_BF16, PREC)
         R += dot(b_kt, b_q, IS_BF16, PREC)                                   # K^T Q  [BK, BK]
@@ -333,18 +372,49 @@ def ahla_fwd_fold_kernel(
 
 
 @triton.jit
-def _dstate_tiles(q, k, do, g, off_k, off_v, off_g, log_gamma, t, mt, rk, mk, rv, mv,
-                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                  HAS_G: tl.constexpr, HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr):
-    """What one chunk of the backward walk reads: Q^T [BK, BT] (a strided load), K [BT, BK],
-    dO [BT, BV], and the decay factors G^T, g1, gl, gC, bL."""
-    b_qt = load_cols(q + off_k, t, mt, rk, mk, H * K, IS_BF16)
-    b_k = load_rows(k + off_k, t, mt, rk, mk, H * K, IS_BF16)
-    b_do = load_rows(do + off_v, t, mt, rv, mv, H * V, IS_BF16)
+def _dstate_loads(q, k, do, off_k, off_v, t, mt, rk, mk, rv, mv, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """What one chunk of the backward walk reads, as stored (0 outside the sequence): Q^T [BK, BT]
+    (a strided load), K [BT, BK], dO [BT, BV]; loaded a step ahead with PREFETCH."""
+    b_qt = read_cols(q + off_k, t, mt, rk, mk, H * K)
+    b_k = read_rows(k + off_k, t, mt, rk, mk, H * K)
+    b_do = read_rows(do + off_v, t, mt, rv, mv, H * V)
+    return b_qt, b_k, b_do
+
+
+@triton.jit
+def _dstate_first_loads(q, k, do, off_k, off_v, t, start, T, rk, mk, rv, mv, H: tl.constexpr, K: tl.constexpr,
+                        V: tl.constexpr, PREFETCH: tl.constexpr):
+    """With PREFETCH the backward walk's first (= last in the sequence) chunk's tiles, tokens t
+    (none before ``start`` or at or past T), as read; else placeholders the steps pass through."""
+    if PREFETCH:
+        n_qt, n_k, n_do = _dstate_loads(q, k, do, off_k, off_v, t, (t >= start) & (t < T), rk, mk, rv, mv, H, K, V)
+    else:
+        n_qt, n_k, n_do = 0.0, 0.0, 0.0
+    return n_qt, n_k, n_do
+
+
+@triton.jit
+def _dstate_step_loads(q, k, do, n_qt, n_k, n_do, off_k, off_v, t, mt, start, rk, mk, rv, mv,
+                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                       IS_BF16: tl.constexpr, PREFETCH: tl.constexpr):
+    """This chunk's Q^T, K, dO cast for the dots, and the tiles the backward walk carries to its
+    next step, the previous chunk (tokens t - BT, none before ``start``); as ``_fwd_step_loads``."""
+    if PREFETCH:
+        b_qt, b_k, b_do = n_qt, n_k, n_do
+        n_qt, n_k, n_do = _dstate_loads(q, k, do, off_k, off_v, t - BT, t - BT >= start, rk, mk, rv, mv, H, K, V)
+    else:
+        b_qt, b_k, b_do = _dstate_loads(q, k, do, off_k, off_v, t, mt, rk, mk, rv, mv, H, K, V)
+    return cast(b_qt, IS_BF16), cast(b_k, IS_BF16), cast(b_do, IS_BF16), n_qt, n_k, n_do
+
+
+@triton.jit
+def _dstate_factors(g, off_g, log_gamma, t, mt, H: tl.constexpr, BT: tl.constexpr,
+                    HAS_G: tl.constexpr, HAS_DECAY: tl.constexpr):
+    """The backward walk's decay factors of one chunk: G^T, g1, gl, gC, bL."""
     beta = chunk_beta(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
     G, g1, g2, gl, gC, bL = chunk_decays(beta, mt, BT, HAS_DECAY)
     GT = chunk_decays_t(beta, BT, HAS_DECAY)
-    return b_qt, b_k, b_do, GT, g1, gl, gC, bL
+    return GT, g1, gl, gC, bL
 
 
 @triton.jit
@@ -379,7 +449,7 @@ def ahla_bwd_state_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
-    HAS_G: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """One program per (value block, segment, batch*head) walks its segment's chunks from last to
     first carrying the state gradients (dP, dE) of its value columns (``_dstate_step``), storing
@@ -399,6 +469,9 @@ def ahla_bwd_state_kernel(
     i_sg = i_bh.to(tl.int64) * NSEG + i_n
     d_p = mat_or_zeros(de_p, i_sg * K * V, rk, mk, rv, mv, V, BK, BV, HAS_DHT)    # [BK, BV]
     d_e = mat_or_zeros(de_e, i_sg * K * V, rk, mk, rv, mv, V, BK, BV, HAS_DHT)    # [BK, BV]
+    start = lo * BT                                   # the walk's last token is before this one
+    n_qt, n_k, n_do = _dstate_first_loads(q, k, do, off_k, off_v, (hi - 1) * BT + rt, start, T, rk, mk, rv, mv,
+                                          H, K, V, PREFETCH)
     for i_r in range(0, hi - lo):
         i_c = hi - 1 - i_r
         off_d = (i_bh.to(tl.int64) * NP + i_c - C0) * K * V
@@ -406,8 +479,9 @@ def ahla_bwd_state_kernel(
         store_mat(de_end + off_d, d_e, rk, mk, rv, mv, V)
         t = i_c * BT + rt
         mt = t < T
-        b_qt, b_k, b_do, GT, g1, gl, gC, bL = _dstate_tiles(q, k, do, g, off_k, off_v, off_g, log_gamma, t, mt,
-                                                            rk, mk, rv, mv, H, K, V, BT, HAS_G, HAS_DECAY, IS_BF16)
+        b_qt, b_k, b_do, n_qt, n_k, n_do = _dstate_step_loads(q, k, do, n_qt, n_k, n_do, off_k, off_v, t, mt, start,
+                                                              rk, mk, rv, mv, H, K, V, BT, IS_BF16, PREFETCH)
+        GT, g1, gl, gC, bL = _dstate_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
         d_p, d_e = _dstate_step(b_qt, b_k, b_do, d_p, d_e, GT, g1, gl, gC, IS_BF16, PREC)
     if STORE_DH0:
         if i_n == 0:
@@ -428,7 +502,7 @@ def ahla_bwd_summary_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
-    HAS_G: tl.constexpr,
+    HAS_G: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Each segment's backward summary: the walk of ``ahla_bwd_state_kernel`` from a zero end
     gradient, R^T and log rho. (The transpose of the forward's segment map: an end gradient
@@ -448,12 +522,16 @@ def ahla_bwd_summary_kernel(
     d_e = tl.zeros([BK, BV], dtype=tl.float32)
     b_rt = tl.zeros([BK, BK], dtype=tl.float32)
     log_rho = 0.0
+    start = lo * BT                                   # the walk's last token is before this one
+    n_qt, n_k, n_do = _dstate_first_loads(q, k, do, off_k, off_v, (hi - 1) * BT + rt, start, T, rk, mk, rv, mv,
+                                          H, K, V, PREFETCH)
     for i_r in range(0, hi - lo):
         i_c = hi - 1 - i_r
         t = i_c * BT + rt
         mt = t < T
-        b_qt, b_k, b_do, GT, g1, gl, gC, bL = _dstate_tiles(q, k, do, g, off_k, off_v, off_g, log_gamma, t, mt,
-                                                            rk, mk, rv, mv, H, K, V, BT, HAS_G, HAS_DECAY, IS_BF16)
+        b_qt, b_k, b_do, n_qt, n_k, n_do = _dstate_step_loads(q, k, do, n_qt, n_k, n_do, off_k, off_v, t, mt, start,
+                                                              rk, mk, rv, mv, H, K, V, BT, IS_BF16, PREFETCH)
+        GT, g1, gl, gC, bL = _dstate_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
         d_p, d_e = _dstate_step(b_qt, b_k, b_do, d_p, d_e, GT, g1, gl, gC, IS_BF16, PREC)
         b_rt += dot(b_qt, b_k, IS_BF16, PREC)                                # Q^T K  [BK, BK]
         log_rho += bL

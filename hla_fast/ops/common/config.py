@@ -33,6 +33,10 @@ class ChunkConfig:
         the chunk-end state gradients of one piece at a time (a piece-sized buffer instead of
         one as large as the chunk states); the same launches, in smaller grids. Needs a backward
         walk of one segment (the wide heads'). HLA2 and AHLA; HLA3 takes only 1.
+    fwd_prefetch, bwd_prefetch: the forward's walks (and its segment summaries), the backward's
+        state walk (and its summaries), load the next chunk's tiles before computing the current
+        one, so that their memory latency overlaps the products, at the cost of the registers
+        holding them. AHLA; HLA2 and HLA3 take only False.
     """
 
     fwd_chunk: int = 64
@@ -46,6 +50,8 @@ class ChunkConfig:
     save_states: bool = True
     bf16_snapshots: bool = True
     bwd_pieces: int = 1
+    fwd_prefetch: bool = False
+    bwd_prefetch: bool = False
 
     def __post_init__(self):
         for name in ("fwd_chunk", "bwd_chunk"):
@@ -69,10 +75,17 @@ class ChunkConfig:
             raise ValueError(f"config.grad_parts must be a tuple of masks in 1..7, got {parts!r}")
         if sorted(b for m in parts for b in (1, 2, 4) if m & b) != [1, 2, 4]:
             raise ValueError(f"config.grad_parts must cover dq (1), dk (2) and dv (4) once each, got {parts!r}")
-        for name in ("save_states", "bf16_snapshots"):
+        for name in ("save_states", "bf16_snapshots", "fwd_prefetch", "bwd_prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"config.{name} must be True or False, got {getattr(self, name)!r}")
 
     def replace(self, **changes) -> "ChunkConfig":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def refuse_prefetch(cfg: ChunkConfig, op: str) -> None:
+    """Refuse ``fwd_prefetch`` / ``bwd_prefetch`` for an operator whose walks do not load ahead."""
+    if cfg.fwd_prefetch or cfg.bwd_prefetch:
+        raise ValueError(f"config.fwd_prefetch and config.bwd_prefetch must be False for {op} (its walks do not load "
+                         f"ahead; ahla's do), got {cfg.fwd_prefetch} and {cfg.bwd_prefetch}")

@@ -28,17 +28,29 @@ def dot(a, b, IS_BF16: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def read_rows(base, t, mt, rc, mc, stride):
+    """Tile [BT, BC] of a [B, T, H, C] tensor as stored: rows t (token stride ``stride``), features rc.
+    A walk that loads its next chunk ahead (PREFETCH) keeps tiles as read until their turn: a cast
+    right after the load would wait for the data there."""
+    return tl.load(base + t[:, None] * stride + rc[None, :], mask=mt[:, None] & mc[None, :], other=0.0)
+
+
+@triton.jit
+def read_cols(base, t, mt, rc, mc, stride):
+    """The same tile transposed, [BC, BT], read with a strided load."""
+    return tl.load(base + t[None, :] * stride + rc[:, None], mask=mc[:, None] & mt[None, :], other=0.0)
+
+
+@triton.jit
 def load_rows(base, t, mt, rc, mc, stride, IS_BF16: tl.constexpr):
-    """Tile [BT, BC] of a [B, T, H, C] tensor: rows t (token stride ``stride``), features rc."""
-    x = tl.load(base + t[:, None] * stride + rc[None, :], mask=mt[:, None] & mc[None, :], other=0.0)
-    return cast(x, IS_BF16)
+    """``read_rows`` cast to the dots' operand dtype."""
+    return cast(read_rows(base, t, mt, rc, mc, stride), IS_BF16)
 
 
 @triton.jit
 def load_cols(base, t, mt, rc, mc, stride, IS_BF16: tl.constexpr):
-    """The same tile transposed, [BC, BT], read with a strided load."""
-    x = tl.load(base + t[None, :] * stride + rc[:, None], mask=mc[:, None] & mt[None, :], other=0.0)
-    return cast(x, IS_BF16)
+    """``read_cols`` cast to the dots' operand dtype."""
+    return cast(read_cols(base, t, mt, rc, mc, stride), IS_BF16)
 
 
 @triton.jit

@@ -38,7 +38,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..common.compile import compile_ahead, launch_kernel
-from ..common.config import ChunkConfig
+from ..common.config import ChunkConfig, refuse_prefetch
 from ..common.gates import log_gamma, reverse_cumsum
 from ..common.launch import (
     bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments, plan_pieces,
@@ -408,6 +408,8 @@ def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chu
     A head wider than TILE_MAX runs as the sum over feature-block pairs (a, b) of the cross
     operator; the pair's state is S[a, b] and its share of W's rows a (W's rows a are the sum over
     b). Normalized, the pairs run on [v | 1] and the quotient is taken at the end."""
+    if config is not None:
+        refuse_prefetch(config, "hla2")
     if launch is None:
         args = (q, k, v, g, gamma, s0, w0, z0, normalize, eps, config, chunk_size)
         compile_ahead("hla2", hla2_chunked, args, q.device)
