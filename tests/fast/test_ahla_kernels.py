@@ -334,7 +334,8 @@ def test_backward_in_pieces_equals_one_walk(pieces, init, dht, device, poison):
     """A backward walked in pieces (the last first, each from the gradient the later one left at
     its start; common.launch.run_pieces) gives the one walk's gradients, with or without an
     initial state and final-state cotangents; 77 tokens in chunks of 16: 5 chunks, so 6 pieces are 5
-    and two value blocks of 16 walk side by side."""
+    and two value blocks of 16 walk side by side. The pieces load ahead (each piece's walk stops
+    its loads at the piece's first chunk), the one walk does not."""
     B, T, H, K, V = 2, 77, 2, 12, 20
     q, k, v, g = _inputs(device, B, T, H, K, V, seed=22)
     gen = torch.Generator().manual_seed(23)
@@ -342,7 +343,7 @@ def test_backward_in_pieces_equals_one_walk(pieces, init, dht, device, poison):
               else [None, None])
     do = torch.randn(B, T, H, V, generator=gen).to(device)
     d_t = [torch.randn(B, H, K, V, generator=gen).to(device) for _ in range(2)] if dht else [None, None]
-    one = chunk.bwd_launch(q, k, v, do, g, None, p0, e0, *d_t, _cfg(), want_db=True)
+    one = chunk.bwd_launch(q, k, v, do, g, None, p0, e0, *d_t, _cfg(prefetch=False), want_db=True)
     cut = chunk.bwd_launch(q, k, v, do, g, None, p0, e0, *d_t, _cfg().replace(bwd_pieces=pieces), want_db=True)
     for x, y in zip(one, cut):
         assert (x is None) == (y is None)

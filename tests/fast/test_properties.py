@@ -1,5 +1,6 @@
 """Property-based checks of the Triton path against the index sums (tests/ref/brute.py): random
-shapes, decay or gates, normalization, chunk sizes, segments and a cut with state carry-over.
+shapes, decay or gates, normalization, chunk sizes, segments and a cut with state carry-over (HLA2;
+AHLA also with walks that load ahead or not).
 Under TRITON_INTERPRET=1 on a CPU (few examples: each runs the kernels in Python). Skipped on a
 GPU: K and V are compile-time constants of the kernels, so every drawn shape would be a fresh
 compile; test_contract.py and test_gpu.py cover the GPU."""
@@ -8,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from .conftest import DEVICE, HAS_CUDA
-from .helpers import brute_hla2, rand_gates, rand_qkv, rel, torch
+from .helpers import brute_ahla, brute_hla2, rand_gates, rand_qkv, rel, torch
 
 import hla_fast
 from hla_fast import ChunkConfig
@@ -17,25 +18,33 @@ pytestmark = pytest.mark.skipif(HAS_CUDA, reason="every drawn shape is a fresh c
                                                  "test_contract.py and test_gpu.py")
 
 
-@settings(max_examples=40)
-@given(T=st.integers(1, 70), K=st.integers(1, 40), V=st.integers(1, 40), chunk=st.sampled_from([16, 32]),
-       fwd_seg=st.integers(1, 4), bwd_seg=st.integers(1, 3), kind=st.sampled_from(["none", "gamma", "g"]),
-       normalize=st.booleans(), cut=st.floats(0.0, 1.0), seed=st.integers(0, 2 ** 16))
-def test_triton_path_is_the_index_sum(T, K, V, chunk, fwd_seg, bwd_seg, kind, normalize, cut, seed):
+def _cut_at(op, q, k, v, g, n, **kw):
+    """The triton path's output of the whole sequence; for 0 < n < T as two calls, the second
+    started from the state the first returned."""
+    kw.update(backend="triton", output_final_state=True)
+    if not 0 < n < q.shape[1]:
+        return op(q, k, v, g=g, **kw)[0]
+    o1, st1 = op(q[:, :n], k[:, :n], v[:, :n], g=None if g is None else g[:, :n], **kw)
+    o2, _ = op(q[:, n:], k[:, n:], v[:, n:], g=None if g is None else g[:, n:], initial_state=st1, **kw)
+    return torch.cat([o1, o2], 1)
+
+
+@settings(max_examples=60)
+@given(op=st.sampled_from(["hla2", "ahla"]), T=st.integers(1, 70), K=st.integers(1, 40), V=st.integers(1, 40),
+       chunk=st.sampled_from([16, 32]), fwd_seg=st.integers(1, 4), bwd_seg=st.integers(1, 3), prefetch=st.booleans(),
+       kind=st.sampled_from(["none", "gamma", "g"]), normalize=st.booleans(), cut=st.floats(0.0, 1.0),
+       seed=st.integers(0, 2 ** 16))
+def test_triton_path_is_the_index_sum(op, T, K, V, chunk, fwd_seg, bwd_seg, prefetch, kind, normalize, cut, seed):
+    """prefetch: AHLA's walks load ahead (HLA2's have no such layout)."""
     device = DEVICE
     q, k, v = rand_qkv(1, T, 2, K, V, seed=seed, positive=normalize, device=device)
     g = rand_gates(1, T, 2, seed=seed, device=device) if kind == "g" else None
     gamma = 0.8 if kind == "gamma" else None
-    cfg = ChunkConfig(fwd_chunk=chunk, bwd_chunk=chunk, fwd_segments=fwd_seg, bwd_segments=bwd_seg, fwd_block_v=16)
-    want = brute_hla2(q, k, v, gamma=gamma, normalize=normalize, g=g)
-    n = int(cut * T)
-    kw = dict(gamma=gamma, normalize=normalize, backend="triton", config=cfg, output_final_state=True)
-    if 0 < n < T:
-        o1, st1 = hla_fast.hla2(q[:, :n], k[:, :n], v[:, :n], g=None if g is None else g[:, :n], **kw)
-        o2, _ = hla_fast.hla2(q[:, n:], k[:, n:], v[:, n:], g=None if g is None else g[:, n:], initial_state=st1, **kw)
-        o = torch.cat([o1, o2], 1)
-    else:
-        o, _ = hla_fast.hla2(q, k, v, g=g, **kw)
+    ahead = prefetch and op == "ahla"
+    cfg = ChunkConfig(fwd_chunk=chunk, bwd_chunk=chunk, fwd_segments=fwd_seg, bwd_segments=bwd_seg, fwd_block_v=16,
+                      fwd_prefetch=ahead, bwd_prefetch=ahead)
+    want = {"hla2": brute_hla2, "ahla": brute_ahla}[op](q, k, v, gamma=gamma, normalize=normalize, g=g)
+    o = _cut_at(getattr(hla_fast, op), q, k, v, g, int(cut * T), gamma=gamma, normalize=normalize, config=cfg)
     assert rel(o, want) < 1e-5
 
 
