@@ -46,7 +46,11 @@ def load(name):
                                           ("compile_report", "compile_hla2_fp32_k64_cpu"),
                                           ("compile_report", "compile_hla2_bf16_k64_cpu"),
                                           ("compile_report", "compile_hla3_bf16_k64_cpu"),
-                                          ("compile_report", "compile_hla3_bf16_k128_cpu")])
+                                          ("compile_report", "compile_hla3_bf16_k128_cpu"),
+                                          ("compile_report", "compile_ahla_bf16_k64_cpu"),
+                                          ("compile_report", "compile_ahla_bf16_k64_bwd_prefetch_cpu"),
+                                          ("compile_report", "compile_ahla_bf16_k128_fwd_cpu"),
+                                          ("compile_report", "compile_ahla_bf16_k128_fwd_prefetch_cpu")])
 def test_recorded_markdown_is_rendered_from_its_json(script, stem):
     with open(os.path.join(RESULTS, stem + ".json")) as f:
         res = json.load(f)
