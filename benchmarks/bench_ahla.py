@@ -92,9 +92,9 @@ def variant_changes(K):
     """Layouts to compare against the rule's: name -> ChunkConfig.replace(**changes), applied to
     the rule's inference layout for the forward alone and to its training layout for forward +
     backward. Both sizes: walks that load ahead in neither pass or both, the per-chunk gradients
-    in one, two or three launches, 4 and 8 warps, one segment. K = 64 adds the forward's segments, warps and chunk; wider heads add the forward
-    of 64 whose states the backward recomputes at 32, the warps of each pass, and 8-warp forwards
-    with and without loading ahead."""
+    in one, two or three launches, 4 and 8 warps, one segment. K = 64 adds the forward's segments,
+    warps and chunk; wider heads add the forward of 64 whose states the backward recomputes at 32,
+    the warps of each pass, and 8-warp forwards with and without loading ahead."""
     out = {"rule": {}, "no_prefetch": {"fwd_prefetch": False, "bwd_prefetch": False},
            "prefetch": {"fwd_prefetch": True, "bwd_prefetch": True},
            "grad_1_6": {"grad_parts": (1, 6)}, "grad_1_2_4": {"grad_parts": (1, 2, 4)},
@@ -256,9 +256,10 @@ def main():
     if not CUDA and not args.cpu_smoke:
         ap.error("no CUDA device: use --cpu-smoke on a machine without a GPU")
     chosen = [s for s in SECTIONS if not args.sections or s in args.sections.split(",")]
-    if args.variants:
+    wanted = set(args.variants.split(",")) if args.variants else None   # None: every layout
+    if wanted:
         known = set(variant_changes(64)) | set(variant_changes(128))
-        unknown = sorted(set(args.variants.split(",")) - known)
+        unknown = sorted(wanted - known)
         if unknown:
             ap.error(f"--variants: unknown layouts {unknown}; known: {', '.join(sorted(known))}")
     smoke = args.cpu_smoke
@@ -322,7 +323,7 @@ def main():
             bases = {s: hla_fast.ahla_config(B, T, H, D, D, q.dtype, q.device, 64, training=s == "fwdbwd")
                      for s in ("fwd", "fwdbwd")}
             for name, changes in variant_changes(D).items():
-                if args.variants and name not in args.variants.split(","):
+                if wanted and name not in wanted:
                     continue
                 row = {"K": D, "T": T, "variant": name, "changes": changes}
                 try:

@@ -48,10 +48,9 @@ def main():
     ap.add_argument("--H", type=int, default=16)
     ap.add_argument("--config", type=config_changes, default={}, help=HELP)
     args = ap.parse_args()
-    changes = args.config
     out = {"dtype": args.dtype, "K": args.dim, "V": args.dim, "flag": args.flag, "B": args.B, "T": args.T,
            "H": args.H, "pid": os.getpid(),
-           "interpret": os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"), "config_changes": changes}
+           "interpret": os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"), "config_changes": args.config}
     t0 = time.perf_counter()
     import torch
 
@@ -80,8 +79,9 @@ def main():
     do = torch.randn(B, T, H, D, device=dev, generator=gen).to(dt)
     g = -0.001 * torch.rand(B, T, H, device=dev, generator=gen)
     leaves = [x.detach().requires_grad_() for x in (q, k, v, g)]
-    cfg = hla_fast.hla2_config(B, T, H, D, D, dt, dev).replace(**changes) if changes else None
-    out["config"] = str(cfg or hla_fast.hla2_config(B, T, H, D, D, dt, dev))
+    rule = hla_fast.hla2_config(B, T, H, D, D, dt, dev)
+    cfg = rule.replace(**args.config) if args.config else None   # None: the call picks the rule itself
+    out["config"] = str(cfg or rule)
     float((leaves[0].float().sum() + leaves[3].sum()).item())  # a torch op on the device first
     sync()
 

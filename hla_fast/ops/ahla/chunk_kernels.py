@@ -103,46 +103,54 @@ def _head_offsets(i_bh, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
     return row * K, row * V, row
 
 
-# ============================================================================ forward
+# ============================================================================ a chunk's tiles (both walks)
 
 
 @triton.jit
-def _fwd_loads(q, k, v, off_k, off_v, t, mt, rk, mk, rv, mv, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
-    """What one chunk of the forward reads, as stored (0 outside the sequence): Q [BT, BK],
-    K^T [BK, BT] (a strided load), V [BT, BV]. A walk with PREFETCH loads the next chunk's tiles
-    before computing the current chunk, so that their memory latency overlaps its products."""
-    b_q = read_rows(q + off_k, t, mt, rk, mk, H * K)
-    b_kt = read_cols(k + off_k, t, mt, rk, mk, H * K)
-    b_v = read_rows(v + off_v, t, mt, rv, mv, H * V)
-    return b_q, b_kt, b_v
+def _walk_loads(q, k, x, off_k, off_x, t, mt, rk, mk, rv, mv, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                Q_ROWS: tl.constexpr):
+    """What one chunk of a walk reads, as stored (0 outside the sequence). Q_ROWS (the forward):
+    Q [BT, BK], K^T [BK, BT] (a strided load) and x = V [BT, BV]; else (the backward walk)
+    Q^T [BK, BT], K [BT, BK] and x = dO [BT, BV]."""
+    if Q_ROWS:
+        b_q = read_rows(q + off_k, t, mt, rk, mk, H * K)
+        b_k = read_cols(k + off_k, t, mt, rk, mk, H * K)
+    else:
+        b_q = read_cols(q + off_k, t, mt, rk, mk, H * K)
+        b_k = read_rows(k + off_k, t, mt, rk, mk, H * K)
+    b_x = read_rows(x + off_x, t, mt, rv, mv, H * V)
+    return b_q, b_k, b_x
 
 
 @triton.jit
-def _fwd_first_loads(q, k, v, off_k, off_v, t, end, rk, mk, rv, mv, H: tl.constexpr, K: tl.constexpr,
-                     V: tl.constexpr, PREFETCH: tl.constexpr):
-    """With PREFETCH the walk's first chunk's tiles (tokens t, none at or past ``end``) as read,
+def _first_loads(q, k, x, off_k, off_x, t, mt, rk, mk, rv, mv, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 Q_ROWS: tl.constexpr, PREFETCH: tl.constexpr):
+    """With PREFETCH the tiles of the walk's first chunk (tokens t, valid where mt) as read,
     carried into its first step; else placeholders the steps pass through."""
     if PREFETCH:
-        n_q, n_kt, n_v = _fwd_loads(q, k, v, off_k, off_v, t, t < end, rk, mk, rv, mv, H, K, V)
+        n_q, n_k, n_x = _walk_loads(q, k, x, off_k, off_x, t, mt, rk, mk, rv, mv, H, K, V, Q_ROWS)
     else:
-        n_q, n_kt, n_v = 0.0, 0.0, 0.0
-    return n_q, n_kt, n_v
+        n_q, n_k, n_x = 0.0, 0.0, 0.0
+    return n_q, n_k, n_x
 
 
 @triton.jit
-def _fwd_step_loads(q, k, v, n_q, n_kt, n_v, off_k, off_v, t, mt, end, rk, mk, rv, mv,
-                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                    IS_BF16: tl.constexpr, PREFETCH: tl.constexpr):
-    """This chunk's Q, K^T, V cast for the dots, and the tiles the walk carries to its next step.
-    PREFETCH: this chunk's are the carried n_q, n_kt, n_v (read a step ago) and the next chunk's
-    loads (tokens t + BT, none at or past ``end``) are issued now; else this chunk's are loaded
-    here and n_* pass through."""
+def _step_loads(q, k, x, n_q, n_k, n_x, off_k, off_x, t, mt, tn, mn, rk, mk, rv, mv,
+                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, Q_ROWS: tl.constexpr,
+                IS_BF16: tl.constexpr, PREFETCH: tl.constexpr):
+    """This chunk's tiles (tokens t, valid where mt) cast for the dots, and the tiles the walk
+    carries to its next step. PREFETCH: this chunk's are the carried n_q, n_k, n_x (read a step
+    ago) and the loads of the walk's next chunk (tokens tn, none where not mn: past the walk's
+    range) are issued now; else this chunk's are loaded here and n_* pass through."""
     if PREFETCH:
-        b_q, b_kt, b_v = n_q, n_kt, n_v
-        n_q, n_kt, n_v = _fwd_loads(q, k, v, off_k, off_v, t + BT, t + BT < end, rk, mk, rv, mv, H, K, V)
+        b_q, b_k, b_x = n_q, n_k, n_x
+        n_q, n_k, n_x = _walk_loads(q, k, x, off_k, off_x, tn, mn, rk, mk, rv, mv, H, K, V, Q_ROWS)
     else:
-        b_q, b_kt, b_v = _fwd_loads(q, k, v, off_k, off_v, t, mt, rk, mk, rv, mv, H, K, V)
-    return cast(b_q, IS_BF16), cast(b_kt, IS_BF16), cast(b_v, IS_BF16), n_q, n_kt, n_v
+        b_q, b_k, b_x = _walk_loads(q, k, x, off_k, off_x, t, mt, rk, mk, rv, mv, H, K, V, Q_ROWS)
+    return cast(b_q, IS_BF16), cast(b_k, IS_BF16), cast(b_x, IS_BF16), n_q, n_k, n_x
+
+
+# ============================================================================ forward
 
 
 @triton.jit
@@ -225,13 +233,14 @@ def ahla_fwd_kernel(
         en = 0.0
 
     end = tl.minimum(hi * BT, T)                       # first token past the segment
-    n_q, n_kt, n_v = _fwd_first_loads(q, k, v, off_k, off_v, lo * BT + rt, end, rk, mk, rv, mv, H, K, V, PREFETCH)
+    n_q, n_kt, n_v = _first_loads(q, k, v, off_k, off_v, lo * BT + rt, lo * BT + rt < end, rk, mk, rv, mv, H, K, V,
+                                  True, PREFETCH)
     for i_c in range(lo, hi):
         t = i_c * BT + rt
         mt = t < T
         # -- the chunk's tiles (with PREFETCH loaded one step ahead) and decay factors -------
-        b_q, b_kt, b_v, n_q, n_kt, n_v = _fwd_step_loads(q, k, v, n_q, n_kt, n_v, off_k, off_v, t, mt, end, rk, mk,
-                                                         rv, mv, H, K, V, BT, IS_BF16, PREFETCH)
+        b_q, b_kt, b_v, n_q, n_kt, n_v = _step_loads(q, k, v, n_q, n_kt, n_v, off_k, off_v, t, mt, t + BT, t + BT < end,
+                                                     rk, mk, rv, mv, H, K, V, True, IS_BF16, PREFETCH)
         G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
         if SAVE_STATES:
             off_cs = (i_bh.to(tl.int64) * NT + i_c) * K * V
@@ -304,12 +313,13 @@ def ahla_fwd_summary_kernel(
         en = 0.0
     log_rho = 0.0
     end = tl.minimum(hi * BT, T)                       # first token past the segment
-    n_q, n_kt, n_v = _fwd_first_loads(q, k, v, off_k, off_v, lo * BT + rt, end, rk, mk, rv, mv, H, K, V, PREFETCH)
+    n_q, n_kt, n_v = _first_loads(q, k, v, off_k, off_v, lo * BT + rt, lo * BT + rt < end, rk, mk, rv, mv, H, K, V,
+                                  True, PREFETCH)
     for i_c in range(lo, hi):
         t = i_c * BT + rt
         mt = t < T
-        b_q, b_kt, b_v, n_q, n_kt, n_v = _fwd_step_loads(q, k, v, n_q, n_kt, n_v, off_k, off_v, t, mt, end, rk, mk,
-                                                         rv, mv, H, K, V, BT, IS_BF16, PREFETCH)
+        b_q, b_kt, b_v, n_q, n_kt, n_v = _step_loads(q, k, v, n_q, n_kt, n_v, off_k, off_v, t, mt, t + BT, t + BT < end,
+                                                     rk, mk, rv, mv, H, K, V, True, IS_BF16, PREFETCH)
         G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
         b_a, b_r, r_n = _chunk_first_order(b_q, b_kt, b_v, P, pn, G, g1, NORM, IS_BF16, PREC)
         P, E, pn, en = _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM, IS_BF16, PREC)
@@ -369,42 +379,6 @@ def ahla_fwd_fold_kernel(
 
 
 # ============================================================================ backward
-
-
-@triton.jit
-def _dstate_loads(q, k, do, off_k, off_v, t, mt, rk, mk, rv, mv, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
-    """What one chunk of the backward walk reads, as stored (0 outside the sequence): Q^T [BK, BT]
-    (a strided load), K [BT, BK], dO [BT, BV]; loaded a step ahead with PREFETCH."""
-    b_qt = read_cols(q + off_k, t, mt, rk, mk, H * K)
-    b_k = read_rows(k + off_k, t, mt, rk, mk, H * K)
-    b_do = read_rows(do + off_v, t, mt, rv, mv, H * V)
-    return b_qt, b_k, b_do
-
-
-@triton.jit
-def _dstate_first_loads(q, k, do, off_k, off_v, t, start, T, rk, mk, rv, mv, H: tl.constexpr, K: tl.constexpr,
-                        V: tl.constexpr, PREFETCH: tl.constexpr):
-    """With PREFETCH the backward walk's first (= last in the sequence) chunk's tiles, tokens t
-    (none before ``start`` or at or past T), as read; else placeholders the steps pass through."""
-    if PREFETCH:
-        n_qt, n_k, n_do = _dstate_loads(q, k, do, off_k, off_v, t, (t >= start) & (t < T), rk, mk, rv, mv, H, K, V)
-    else:
-        n_qt, n_k, n_do = 0.0, 0.0, 0.0
-    return n_qt, n_k, n_do
-
-
-@triton.jit
-def _dstate_step_loads(q, k, do, n_qt, n_k, n_do, off_k, off_v, t, mt, start, rk, mk, rv, mv,
-                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                       IS_BF16: tl.constexpr, PREFETCH: tl.constexpr):
-    """This chunk's Q^T, K, dO cast for the dots, and the tiles the backward walk carries to its
-    next step, the previous chunk (tokens t - BT, none before ``start``); as ``_fwd_step_loads``."""
-    if PREFETCH:
-        b_qt, b_k, b_do = n_qt, n_k, n_do
-        n_qt, n_k, n_do = _dstate_loads(q, k, do, off_k, off_v, t - BT, t - BT >= start, rk, mk, rv, mv, H, K, V)
-    else:
-        b_qt, b_k, b_do = _dstate_loads(q, k, do, off_k, off_v, t, mt, rk, mk, rv, mv, H, K, V)
-    return cast(b_qt, IS_BF16), cast(b_k, IS_BF16), cast(b_do, IS_BF16), n_qt, n_k, n_do
 
 
 @triton.jit
@@ -470,8 +444,9 @@ def ahla_bwd_state_kernel(
     d_p = mat_or_zeros(de_p, i_sg * K * V, rk, mk, rv, mv, V, BK, BV, HAS_DHT)    # [BK, BV]
     d_e = mat_or_zeros(de_e, i_sg * K * V, rk, mk, rv, mv, V, BK, BV, HAS_DHT)    # [BK, BV]
     start = lo * BT                                   # the walk's last token is before this one
-    n_qt, n_k, n_do = _dstate_first_loads(q, k, do, off_k, off_v, (hi - 1) * BT + rt, start, T, rk, mk, rv, mv,
-                                          H, K, V, PREFETCH)
+    t0 = (hi - 1) * BT + rt                           # the walk starts at the last chunk
+    n_qt, n_k, n_do = _first_loads(q, k, do, off_k, off_v, t0, (t0 >= start) & (t0 < T), rk, mk, rv, mv, H, K, V,
+                                   False, PREFETCH)
     for i_r in range(0, hi - lo):
         i_c = hi - 1 - i_r
         off_d = (i_bh.to(tl.int64) * NP + i_c - C0) * K * V
@@ -479,8 +454,10 @@ def ahla_bwd_state_kernel(
         store_mat(de_end + off_d, d_e, rk, mk, rv, mv, V)
         t = i_c * BT + rt
         mt = t < T
-        b_qt, b_k, b_do, n_qt, n_k, n_do = _dstate_step_loads(q, k, do, n_qt, n_k, n_do, off_k, off_v, t, mt, start,
-                                                              rk, mk, rv, mv, H, K, V, BT, IS_BF16, PREFETCH)
+        # the walk's next chunk is the previous one in the sequence
+        b_qt, b_k, b_do, n_qt, n_k, n_do = _step_loads(q, k, do, n_qt, n_k, n_do, off_k, off_v, t, mt, t - BT,
+                                                       t - BT >= start, rk, mk, rv, mv, H, K, V, False, IS_BF16,
+                                                       PREFETCH)
         GT, g1, gl, gC, bL = _dstate_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
         d_p, d_e = _dstate_step(b_qt, b_k, b_do, d_p, d_e, GT, g1, gl, gC, IS_BF16, PREC)
     if STORE_DH0:
@@ -523,14 +500,17 @@ def ahla_bwd_summary_kernel(
     b_rt = tl.zeros([BK, BK], dtype=tl.float32)
     log_rho = 0.0
     start = lo * BT                                   # the walk's last token is before this one
-    n_qt, n_k, n_do = _dstate_first_loads(q, k, do, off_k, off_v, (hi - 1) * BT + rt, start, T, rk, mk, rv, mv,
-                                          H, K, V, PREFETCH)
+    t0 = (hi - 1) * BT + rt                           # the walk starts at the last chunk
+    n_qt, n_k, n_do = _first_loads(q, k, do, off_k, off_v, t0, (t0 >= start) & (t0 < T), rk, mk, rv, mv, H, K, V,
+                                   False, PREFETCH)
     for i_r in range(0, hi - lo):
         i_c = hi - 1 - i_r
         t = i_c * BT + rt
         mt = t < T
-        b_qt, b_k, b_do, n_qt, n_k, n_do = _dstate_step_loads(q, k, do, n_qt, n_k, n_do, off_k, off_v, t, mt, start,
-                                                              rk, mk, rv, mv, H, K, V, BT, IS_BF16, PREFETCH)
+        # the walk's next chunk is the previous one in the sequence
+        b_qt, b_k, b_do, n_qt, n_k, n_do = _step_loads(q, k, do, n_qt, n_k, n_do, off_k, off_v, t, mt, t - BT,
+                                                       t - BT >= start, rk, mk, rv, mv, H, K, V, False, IS_BF16,
+                                                       PREFETCH)
         GT, g1, gl, gC, bL = _dstate_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
         d_p, d_e = _dstate_step(b_qt, b_k, b_do, d_p, d_e, GT, g1, gl, gC, IS_BF16, PREC)
         b_rt += dot(b_qt, b_k, IS_BF16, PREC)                                # Q^T K  [BK, BK]
