@@ -81,6 +81,24 @@ def _grads(q, k, v, g, S0, W0, do, dtype, backend, normalize, cfg=None):
     return [x.grad for x in leaves]
 
 
+def _assert_gradients_match(q, k, v, g, tol, normalize=False):
+    """The triton path's dq, dk, dv, dg, dS0, dW0 of sum(o * do) from a small random initial state,
+    finite and within tol of the float64 torch path's (dg within 2 tol)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    S0 = torch.rand(B, H, K, K, device=q.device) * 0.02
+    S0 = S0 + S0.transpose(-1, -2)
+    W0 = torch.randn(B, H, K, V, device=q.device) * 0.02
+    do = torch.randn(B, T, H, V, device=q.device, dtype=torch.float64)
+    got = _grads(q, k, v, g, S0, W0, do, q.dtype, "triton", normalize)
+    want = _grads(q, k, v, g, S0, W0, do, torch.float64, "torch", normalize)
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "dS0", "dW0"], got, want):
+        assert torch.isfinite(a).all(), name
+        # dg_t = sum_{s >= t} (2 q.dq - k.dk/2 - 3 v.dv)_s: a reverse sum over T of products whose
+        # terms cancel, each carrying the bf16 error of dq, dk, dv: its relative error is about twice theirs
+        assert rel(a, b) < (2 * tol if name == "dg" else tol), name
+
+
 @pytest.mark.parametrize("dtype,K,V,normalize", [
     (torch.bfloat16, 64, 64, False), (torch.bfloat16, 64, 128, False), (torch.bfloat16, 128, 64, True),
     (torch.bfloat16, 128, 128, False), (torch.float32, 64, 32, True), (torch.float32, 64, 64, False),
@@ -91,17 +109,7 @@ def test_gradients(dtype, K, V, normalize, poison):
     T, B, H = 2049, 1, 2
     q, k, v = rand_qkv(B, T, H, K, V, seed=4, scale=0.2, positive=normalize, device="cuda", dtype=dtype)
     g = rand_gates(B, T, H, seed=5, strength=0.01, device="cuda")
-    S0 = torch.rand(B, H, K, K, device="cuda") * 0.02
-    S0 = S0 + S0.transpose(-1, -2)
-    W0 = torch.randn(B, H, K, V, device="cuda") * 0.02
-    do = torch.randn(B, T, H, V, device="cuda", dtype=torch.float64)
-    tol = 1e-3 if dtype == torch.float32 else 5e-2
-    got = _grads(q, k, v, g, S0, W0, do, dtype, "triton", normalize)
-    want = _grads(q, k, v, g, S0, W0, do, torch.float64, "torch", normalize)
-    for name, a, b in zip(["dq", "dk", "dv", "dg", "dS0", "dW0"], got, want):
-        # dg_t = sum_{s >= t} (2 q.dq - k.dk/2 - 3 v.dv)_s: a reverse sum over T of products whose
-        # terms cancel, each carrying the bf16 error of dq, dk, dv: its relative error is about twice theirs
-        assert rel(a, b) < (2 * tol if name == "dg" else tol), name
+    _assert_gradients_match(q, k, v, g, 1e-3 if dtype == torch.float32 else 5e-2, normalize)
 
 
 @pytest.mark.parametrize("dtype,T,short", [
@@ -121,17 +129,8 @@ def test_gradients_in_the_rule_layouts(dtype, T, short, poison):
     assert chunk.SHORT_CHUNKS >= -(-T // cfg.fwd_chunk) or not short
     q, k, v = rand_qkv(B, T, H, K, V, seed=T, scale=0.2, device="cuda", dtype=dtype)
     g = rand_gates(B, T, H, seed=T + 1, strength=0.01, device="cuda")
-    S0 = torch.rand(B, H, K, K, device="cuda") * 0.02
-    S0 = S0 + S0.transpose(-1, -2)
-    W0 = torch.randn(B, H, K, V, device="cuda") * 0.02
-    do = torch.randn(B, T, H, V, device="cuda", dtype=torch.float64)
     # fp32: tf32x3 products; fp16: fp32 tiles with tf32 products (10-bit mantissas); bf16: 8-bit operands
-    tol = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
-    got = _grads(q, k, v, g, S0, W0, do, dtype, "triton", False)
-    want = _grads(q, k, v, g, S0, W0, do, torch.float64, "torch", False)
-    for name, a, b in zip(["dq", "dk", "dv", "dg", "dS0", "dW0"], got, want):
-        assert torch.isfinite(a).all(), name
-        assert rel(a, b) < (2 * tol if name == "dg" else tol), name
+    _assert_gradients_match(q, k, v, g, {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
