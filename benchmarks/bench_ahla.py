@@ -57,6 +57,7 @@ from bench_hla2 import (  # noqa: E402
     make_inputs, median_ms, warm_median_ms,
 )
 from hla_fast import AHLAState  # noqa: E402
+from hla_fast.ops.common.launch import BWD_PIECES  # noqa: E402
 
 SECTIONS = ("main", "variants", "decode", "accuracy", "first_call")
 FWD_MAX, FWDBWD_MAX, DECODE_MIN = 1.5, 2.0, 0.70
@@ -94,12 +95,19 @@ def variant_changes(K):
     backward. Both sizes: walks that load ahead in neither pass or both, the per-chunk gradients
     in one, two or three launches, 4 and 8 warps, one segment. K = 64 adds the forward's segments,
     warps and chunk; wider heads add the forward of 64 whose states the backward recomputes at 32,
-    the warps of each pass, and 8-warp forwards with and without loading ahead."""
+    the warps of each pass, and 8-warp forwards with and without loading ahead. Both sizes: the
+    backward as two first-order layers (``bwd_layers``, the wider heads' rule) in 4 and 8 warps;
+    wider heads: the coupled backward in the layout the rule took before (chunks of 32, 8-warp
+    forward loading ahead, backward in pieces), the layered one in chunks of 32 and with an 8-warp
+    forward."""
+    layers = {"bwd_layers": True, "bwd_segments": 1, "bwd_pieces": 1, "bwd_prefetch": False}
     out = {"rule": {}, "no_prefetch": {"fwd_prefetch": False, "bwd_prefetch": False},
            "prefetch": {"fwd_prefetch": True, "bwd_prefetch": True},
            "grad_1_6": {"grad_parts": (1, 6)}, "grad_1_2_4": {"grad_parts": (1, 2, 4)},
            "grad_3_4": {"grad_parts": (3, 4)}, "warps_4": {"fwd_warps": 4, "bwd_warps": 4},
-           "warps_8": {"fwd_warps": 8, "bwd_warps": 8}, "one_segment": {"fwd_segments": 1, "bwd_segments": 1}}
+           "warps_8": {"fwd_warps": 8, "bwd_warps": 8}, "one_segment": {"fwd_segments": 1, "bwd_segments": 1},
+           "layers": layers, "layers_bwd_warps_4": dict(layers, bwd_warps=4),
+           "layers_bwd_warps_8": dict(layers, bwd_warps=8)}
     if K <= 64:
         out.update({"fwd_segments_2": {"fwd_segments": 2}, "fwd_segments_8": {"fwd_segments": 8},
                     "fwd_warps_8_segments_2": {"fwd_warps": 8, "fwd_segments": 2},
@@ -111,7 +119,11 @@ def variant_changes(K):
                     "grad_1_6_bwd_warps_4": {"grad_parts": (1, 6), "bwd_warps": 4},
                     "warps_4_segments_2": {"fwd_warps": 4, "bwd_warps": 4, "fwd_segments": 2, "bwd_segments": 2},
                     "fwd_warps_8_no_prefetch": {"fwd_warps": 8, "fwd_prefetch": False},
-                    "fwd_32_warps_8": {"fwd_chunk": 32, "fwd_warps": 8, "fwd_prefetch": True}})
+                    "fwd_32_warps_8": {"fwd_chunk": 32, "fwd_warps": 8, "fwd_prefetch": True},
+                    "coupled": {"bwd_layers": False, "fwd_chunk": 32, "bwd_chunk": 32, "fwd_warps": 8,
+                                "fwd_prefetch": True, "bwd_prefetch": True, "bwd_pieces": BWD_PIECES},
+                    "layers_32": dict(layers, fwd_chunk=32, bwd_chunk=32),
+                    "layers_fwd_warps_8": dict(layers, fwd_warps=8, fwd_prefetch=True)})
     return out
 
 

@@ -94,7 +94,7 @@ def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, 
     elif op == "ahla":
         snap = chunk._snapshot_dtype(cfg, dtype) if save else None
         cs = chunk.fwd_launch(q, k, v, g, gamma, None, None, None, None, snapshots=snap, prefetch=cfg.fwd_prefetch,
-                              **common)[6]
+                              keep_r=cfg.bwd_layers, **common)[6]
         if not forward_only:
             chunk.bwd_launch(q, k, v, do, g, gamma, None, None, None, None, cfg, states=cs, want_db=gates,
                              launch=rec)

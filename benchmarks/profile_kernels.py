@@ -7,6 +7,7 @@ every kernel's self CUDA time is divided by three. Triton kernels appear under t
 names (``hla3_bwd_grad_kernel``), torch's own (sums, casts, fills) under theirs.
 
     python benchmarks/profile_kernels.py --tag h200                 # the recorded run (a GPU)
+    python benchmarks/profile_kernels.py --cases ahla:128:32768 --config '{"bwd_layers": true}' --tag x
     python benchmarks/profile_kernels.py --render benchmarks/results/kernels_h200.json
 """
 from __future__ import annotations
@@ -26,6 +27,8 @@ for p in (ROOT, os.path.join(ROOT, "benchmarks")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+from config_arg import HELP, config_changes  # noqa: E402
+
 CASES = "ahla:128:32768,ahla:64:32768,hla3:64:32768,hla3:128:8192,hla2:128:32768,hla2:64:32768"
 CALLS = 3
 
@@ -44,9 +47,10 @@ def parse_cases(text):
     return out
 
 
-def profile_case(op, D, T, gated=False):
+def profile_case(op, D, T, gated=False, changes=None):
     """{kernel name: [ms per forward + backward, launches per forward + backward]}, largest first.
-    gated: log-gates g [B, T, H] (``bench_hla2.make_gates``) that require grad, instead of gamma."""
+    gated: log-gates g [B, T, H] (``bench_hla2.make_gates``) that require grad, instead of gamma.
+    changes: ChunkConfig fields changed from the rule's training layout (None: the rule's)."""
     import hla_fast
     from bench_hla2 import make_gates, make_inputs
     from torch.profiler import ProfilerActivity, profile
@@ -55,11 +59,14 @@ def profile_case(op, D, T, gated=False):
     q, k, v = (x.requires_grad_() for x in make_inputs(4, T, 16, D, D))
     decay = {"g": make_gates(4, T, 16).requires_grad_()} if gated else {"gamma": 0.999}
     do = torch.randn_like(v)
+    cfg = getattr(hla_fast, f"{op}_config")(4, T, 16, D, D, q.dtype, q.device,
+                                            **({"training": True} if op == "ahla" else {}))
+    cfg = cfg.replace(**(changes or {}))
 
     def step():
         for x in (q, k, v, *(x for x in decay.values() if torch.is_tensor(x))):
             x.grad = None   # a fresh gradient each call, not an accumulation into the last one
-        o, _ = fn(q, k, v, backend="triton", **decay)
+        o, _ = fn(q, k, v, backend="triton", config=cfg, **decay)
         o.backward(do)
 
     for _ in range(2):
@@ -74,8 +81,6 @@ def profile_case(op, D, T, gated=False):
         t = getattr(e, "self_device_time_total", 0) or 0
         if t > 0:
             rows[e.key[:80]] = [t / CALLS / 1000, e.count // CALLS]
-    cfg = getattr(hla_fast, f"{op}_config")(4, T, 16, D, D, q.dtype, q.device,
-                                            **({"training": True} if op == "ahla" else {}))
     return {"op": op, "K": D, "V": D, "T": T, "B": 4, "H": 16, "gated": gated, "config": str(cfg),
             "kernels_ms": dict(sorted(rows.items(), key=lambda kv: -kv[1][0]))}
 
@@ -85,8 +90,9 @@ def render_markdown(res):
     lines = [f"# Kernel times of one forward + backward on {res['device']}", "",
              f"Date {res['date']}; torch {v.get('torch')}, triton {v.get('triton')}"
              + (f"; code {res['code']}" if res.get("code") else "") + ". bf16, B = 4, H = 16, gamma = 0.999, "
-             f"the default configuration; self CUDA time per call, the mean of {CALLS} profiled calls "
-             "(`benchmarks/profile_kernels.py`).", ""]
+             + (f"the rule's configuration changed by `{json.dumps(res['config'])}`" if res.get("config")
+                else "the default configuration")
+             + f"; self CUDA time per call, the mean of {CALLS} profiled calls (`benchmarks/profile_kernels.py`).", ""]
     if res.get("notes"):
         lines += [f"- {n}" for n in res["notes"]] + [""]
     for r in res["cases"]:
@@ -120,6 +126,7 @@ def main():
     ap.add_argument("--tag", default="h200", help="files kernels_<tag>.json and kernels_<tag>.md")
     ap.add_argument("--cases", default=CASES, help="comma list of op:K:T or op:K:T:g")
     ap.add_argument("--render", default=None, help="only write the markdown beside this recorded JSON")
+    ap.add_argument("--config", type=config_changes, default=None, help=HELP + " (every case)")
     args = ap.parse_args()
     if args.render:
         with open(args.render) as f:
@@ -135,12 +142,13 @@ def main():
     import triton
     res = {"device": torch.cuda.get_device_name(0),
            "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()},
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "cases": []}
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "cases": [],
+           **({"config": args.config} if args.config else {})}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"kernels_{args.tag}")
     for op, D, T, gated in cases:
         t0 = time.perf_counter()
-        res["cases"].append(profile_case(op, D, T, gated))
+        res["cases"].append(profile_case(op, D, T, gated, args.config))
         print(f"{op} K={D} T={T} gated={gated}: {time.perf_counter() - t0:.1f} s", flush=True)
         write(res, path)
         torch.cuda.empty_cache()

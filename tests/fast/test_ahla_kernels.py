@@ -187,6 +187,39 @@ def test_wide_head(device, poison):
         assert rel(a, b) < (1e-4 if name == "dg" else TOL), name
 
 
+@pytest.mark.parametrize("save_states", [False, True])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_layered_backward(save_states, normalize, device, poison):
+    """The backward as two first-order layers (config.bwd_layers): its walks over two key blocks
+    (K = 72: 128-wide key tiles, walks over blocks of 64) and two value blocks (V = 70, 71 columns
+    normalized), kept or recomputed chunk states and R, an initial state and cotangents of the
+    final state, gates: every gradient is the float64 path's."""
+    B, T, H, K, V = 1, 37, 2, 72, 70
+    q, k, v, g = _inputs(device, B, T, H, K, V, seed=19, positive=normalize)
+    gen = torch.Generator().manual_seed(20)
+    st0 = AHLAState(0.2 * torch.randn(B, H, K, V, generator=gen), 0.2 * torch.randn(B, H, K, V, generator=gen),
+                    0.2 * torch.rand(B, H, K, generator=gen) if normalize else None,
+                    0.2 * torch.rand(B, H, K, generator=gen) if normalize else None)
+    do = torch.randn(B, T, H, V, generator=gen)
+    w = AHLAState(*(None if x is None else torch.randn(x.shape, generator=gen) for x in st0))
+    cfg = _cfg(save_states=save_states, prefetch=False).replace(bwd_layers=True)
+
+    def grads(backend, dtype, dev):
+        leaves = [x.detach().to(dev, dtype).requires_grad_() for x in (q, k, v, g)]
+        parts = [None if x is None else x.to(dev, dtype).requires_grad_() for x in st0]
+        o, st = hla_fast.ahla(*leaves[:3], g=leaves[3], normalize=normalize, initial_state=AHLAState(*parts),
+                              output_final_state=True, backend=backend, **({"config": cfg} if backend == "triton" else {}))
+        loss = (o * do.to(dev, dtype)).sum() + sum((a * b.to(dev, dtype)).sum() for a, b in zip(st, w)
+                                                  if a is not None)
+        return o, torch.autograd.grad(loss, leaves + [x for x in parts if x is not None])
+
+    o, got = grads("triton", q.dtype, device)
+    o64, want = grads("torch", torch.float64, "cpu")
+    assert rel(o, o64) < TOL
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert rel(a, b) < (1e-4 if i == 3 else TOL), i
+
+
 def test_config_rule_and_wide_segments_refused(device):
     cfg = chunk.ahla_config(2, 4096, 4, 64, 64, torch.bfloat16, torch.device(device), 64)
     assert cfg.fwd_chunk == 64 and cfg.save_states
@@ -195,17 +228,24 @@ def test_config_rule_and_wide_segments_refused(device):
     assert wide.fwd_chunk == 64 and wide.bwd_chunk == 32 and not wide.save_states and wide.bwd_warps == 8
     assert wide.fwd_warps == (4 if bf16_dots(torch.bfloat16) else 8)   # bf16 dots: a GPU
     train = chunk.ahla_config(2, 4096, 4, 128, 128, torch.bfloat16, torch.device(device), 64, training=True)
-    assert train.fwd_chunk == train.bwd_chunk == 32 and train.save_states and train.fwd_warps == 8
+    bf16 = bf16_dots(torch.bfloat16)
+    # bf16 dots (a GPU) train 128-wide keys with the layered backward in chunks of 64, a 4-warp forward
+    assert train.bwd_layers == bf16 and train.save_states
+    assert (train.fwd_chunk, train.bwd_chunk, train.fwd_warps) == ((64, 64, 4) if bf16 else (32, 32, 8))
     assert train.bwd_pieces == 1 and wide.bwd_pieces == 1   # 128 chunks: one piece
     long = chunk.ahla_config(4, 32768, 16, 128, 128, torch.bfloat16, torch.device(device), 64, training=True)
-    assert long.bwd_segments == 1 and long.bwd_pieces == launch.BWD_PIECES  # 1024 chunks in one segment
+    # 1024 chunks in one segment: the coupled walk in pieces, the layered one whole
+    assert long.bwd_segments == 1 and long.bwd_pieces == (1 if bf16 else launch.BWD_PIECES)
+    f32_train = chunk.ahla_config(4, 32768, 16, 128, 128, torch.float32, torch.device(device), 64, training=True)
+    assert not f32_train.bwd_layers and f32_train.bwd_chunk == 32
+    assert not chunk.ahla_config(2, 4096, 4, 64, 64, torch.bfloat16, torch.device(device), 64, training=True).bwd_layers
     assert chunk.ahla_config(4, 32768, 16, 128, 128, torch.bfloat16, torch.device(device), 64).bwd_pieces == 1
     assert chunk.ahla_config(2, 4096, 4, 64, 64, torch.bfloat16, torch.device(device), 64, training=True) == cfg
     # bf16 walks load ahead, except the 4-warp forward of 128-wide keys and the 4-warp backward walks
-    bf16 = bf16_dots(torch.bfloat16)
+    # (and the layered backward, whose walks pipeline their loads instead)
     assert (cfg.fwd_prefetch, cfg.bwd_prefetch) == (bf16, False)
     assert (wide.fwd_prefetch, wide.bwd_prefetch) == (False, bf16)
-    assert (train.fwd_prefetch, train.bwd_prefetch) == (bf16, bf16)
+    assert (train.fwd_prefetch, train.bwd_prefetch) == (False, False)
     f32 = chunk.ahla_config(2, 4096, 4, 128, 128, torch.float32, torch.device(device), 64, training=True)
     assert not f32.fwd_prefetch and not f32.bwd_prefetch
     widest = chunk.ahla_config(1, 4096, 1, 256, 64, torch.bfloat16, torch.device(device), 64)
@@ -248,15 +288,18 @@ from hla_fast.ops.common import launch
 launch.sm_count = lambda device: 132
 from hla_fast.ops.ahla import chunk, chunk_kernels
 
-fn = chunk_kernels.ahla_bwd_grad_kernel
-while not isinstance(fn, JITFunction):
-    fn = fn.fn
+def jit(fn):
+    while not isinstance(fn, JITFunction):
+        fn = fn.fn
+    return fn
+
 dev = torch.device("cuda")
 out = []
 for K, V, dtype, normalize in json.loads(sys.argv[1]):
     dtype = getattr(torch, dtype)
     cfg = chunk.ahla_config(1, 2049, 2, K, V, dtype, dev, training=True)
     assert cfg.grad_parts == (7,)
+    fn = jit(chunk_kernels.ahla_bwd_layer_kernel if cfg.bwd_layers else chunk_kernels.ahla_bwd_grad_kernel)
     Vn = V + normalize
     BK, BV = chunk.bwd_blocks(K, Vn, dev)
     el = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
@@ -264,14 +307,18 @@ for K, V, dtype, normalize in json.loads(sys.argv[1]):
     snap = "*bf16" if snap_dtype == torch.bfloat16 else "*fp32"
     dst = "*bf16" if chunk._dstate_dtype(snap_dtype, BK) == torch.bfloat16 else "*fp32"
     types = dict(q=el, k=el, v=el, do=el, dq=el, dk=el, dv=el, g="*fp32", db="*fp32", cs_p=snap, cs_e=snap,
-                 dp_end=dst, de_end=dst, log_gamma="fp32", T="i32", C0="i32", NP="i32")
+                 dp_end=dst, de_end=dst, log_gamma="fp32", T="i32", C0="i32", NP="i32",
+                 x=el, dy=el, h0=snap, dh_end=dst, dx=el, dq_in=el, dk_in=el)
     consts = dict(H=2, K=K, V=Vn, BT=cfg.bwd_chunk, BK=BK, BV=BV, HAS_DECAY=True, IS_BF16=launch.bf16_dots(dtype),
-                  PREC=chunk.grad_precision(dtype), HAS_G=True, HAS_DB=True,
-                  KEYS_PER_BLOCK=chunk.grad_keys_per_block(launch.cdiv(Vn, BV), BK, dtype), PARTS=cfg.grad_parts[0])
+                  PREC=chunk.grad_precision(dtype), HAS_G=True, HAS_DB=True)
+    if cfg.bwd_layers:
+        consts.update(HAS_ACC=True)
+    else:
+        consts.update(KEYS_PER_BLOCK=chunk.grad_keys_per_block(launch.cdiv(Vn, BV), BK, dtype), PARTS=cfg.grad_parts[0])
     sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
-    kernel = triton_compile(src, target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=cfg.bwd_warps, num_stages=1))
+    kernel = triton_compile(src, target=GPUTarget("cuda", 90, 32), options=dict(
+        num_warps=cfg.bwd_warps, num_stages=chunk.LAYER_STAGES if cfg.bwd_layers else 1))
     out.append(kernel.metadata.shared)
 print(json.dumps(out))
 """
@@ -285,9 +332,11 @@ def test_grad_kernel_fits_hopper_shared_memory():
     """The per-chunk gradient kernel, in the layouts the rule gives for shapes that once took more
     shared memory than an H200 has (294 to 332 KB): fp32 with two value blocks, K = 256 in fp32
     and bf16 normalized (65 value columns), fp16 (tf32 products of fp32 tiles took 368 KB and
-    more); bf16 at K = V = 64 normalized, whose key tiles stay across the value blocks; and bf16 at
-    K = 128 and 256, where bf16 chunk-end state gradients are staged in shared memory (224 KB at
-    K = 128; 324 KB at K = 256, which therefore keeps fp32 ones, ``chunk._dstate_dtype``)."""
+    more); bf16 at K = V = 64 normalized, whose key tiles stay across the value blocks; bf16 at
+    K = 256, where bf16 chunk-end state gradients are staged in shared memory (324 KB, so it keeps
+    fp32 ones, ``chunk._dstate_dtype``); and bf16 at K = 128, whose training takes the layered
+    backward: its per-chunk kernel (``ahla_bwd_layer_kernel``), with loads pipelined, plain and
+    normalized (three value blocks)."""
     cases = [(128, 128, "float32", False), (256, 64, "float32", True), (256, 64, "bfloat16", True),
              (64, 64, "float16", False), (64, 64, "bfloat16", True), (128, 128, "bfloat16", False),
              (128, 128, "bfloat16", True), (256, 256, "bfloat16", False)]

@@ -215,6 +215,26 @@ def test_compile_ahead_leaves_nothing_to_compile(op, case):
     assert ahead.compile_ahead(op, fn, args, torch.device("cuda")) == 0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("normalize", [False, True])
+def test_compile_ahead_covers_the_layered_backward(normalize):
+    """bf16 training at K = V = 128 takes AHLA's layered backward (its walks and per-chunk kernels,
+    normalized: recomputing the states and R): the rehearsal compiles every kernel the call runs."""
+    if not hasattr(__import__("triton"), "AsyncCompileMode"):
+        pytest.skip("this Triton has no AsyncCompileMode")
+    T = 1100 + normalize
+    args = list(make_args("ahla", "cuda", T=T, K=128, V=128, normalize=normalize))
+    args[:3] = [x.detach().bfloat16().requires_grad_() for x in args[:3]]
+    assert hla_fast.ahla_config(2, T, 2, 128, 128, torch.bfloat16, torch.device("cuda"), 16, training=True).bwd_layers
+    fn = chunk_module("ahla").ahla_chunked
+    assert ahead.compile_ahead("ahla", fn, tuple(args), torch.device("cuda")) > 0
+    before = compiled_kernels("ahla")
+    out = fn(*args)
+    torch.autograd.grad(out[0], args[:3], torch.randn_like(out[0]))
+    torch.cuda.synchronize()
+    assert compiled_kernels("ahla") == before
+
+
 class FakeKernel:
     """Stands in for a Triton kernel: records what ``warmup`` is given; fails when told to."""
 

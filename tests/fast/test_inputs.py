@@ -178,6 +178,25 @@ def test_prefetch_only_where_the_operator_has_it(op, device):
 
 
 @OPS
+def test_layered_backward_only_where_the_operator_has_it(op, device):
+    """config.bwd_layers: AHLA's backward as two first-order layers; the others refuse it, and
+    AHLA refuses it beside the coupled walk's own fields (segments, pieces, loading ahead)."""
+    q, k, v = _qkv(device=device)
+    cfg = hla_fast.ChunkConfig(fwd_chunk=16, bwd_chunk=16, fwd_block_v=16, bwd_layers=True)
+    if op.name == "ahla":
+        o, _ = op.op(q, k, v, backend="triton", config=cfg)
+        assert o.shape == v.shape
+        for bad in ({"bwd_segments": 2}, {"bwd_pieces": 2}, {"bwd_prefetch": True}):
+            with pytest.raises(ValueError, match=r"layered backward \(config.bwd_layers\) walks each layer whole"):
+                op.op(q, k, v, backend="triton", config=cfg.replace(**bad))
+    else:
+        with pytest.raises(ValueError, match=f"config.bwd_layers must be False for {op.name}"):
+            op.op(q, k, v, backend="triton", config=cfg)
+    with pytest.raises(TypeError, match="config.bwd_layers"):
+        cfg.replace(bwd_layers="yes")
+
+
+@OPS
 def test_cpu_tensors_to_triton_without_interpreter(op, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     q, k, v = _qkv()

@@ -49,9 +49,10 @@ def test_triton_path_is_the_index_sum(op, T, K, V, chunk, fwd_seg, bwd_seg, pref
 
 
 @settings(max_examples=15)
-@given(T=st.integers(1, 40), K=st.integers(1, 24), V=st.integers(1, 24), kind=st.sampled_from(["gamma", "g"]),
-       normalize=st.booleans(), seed=st.integers(0, 2 ** 16))
-def test_triton_gradients_match_float64(T, K, V, kind, normalize, seed):
+@given(op=st.sampled_from(["hla2", "ahla", "ahla_layers"]), T=st.integers(1, 40), K=st.integers(1, 24),
+       V=st.integers(1, 24), kind=st.sampled_from(["gamma", "g"]), normalize=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_triton_gradients_match_float64(op, T, K, V, kind, normalize, seed):
+    """ahla_layers: AHLA's backward as two first-order layers (config.bwd_layers)."""
     device = DEVICE
     q, k, v = rand_qkv(1, T, 1, K, V, seed=seed, positive=normalize, device=device)
     g = rand_gates(1, T, 1, seed=seed, device=device)
@@ -60,7 +61,10 @@ def test_triton_gradients_match_float64(T, K, V, kind, normalize, seed):
     def grads(dtype, dev, backend):
         leaves = [x.detach().to(dev, dtype).requires_grad_() for x in (q, k, v, g)]
         kw = {"g": leaves[3]} if kind == "g" else {"gamma": 0.9}
-        o, _ = hla_fast.hla2(*leaves[:3], normalize=normalize, chunk_size=16, backend=backend, **kw)
+        if op == "ahla_layers" and backend == "triton":
+            kw["config"] = ChunkConfig(fwd_chunk=16, bwd_chunk=16, fwd_block_v=16, bwd_layers=True)
+        fn = hla_fast.hla2 if op == "hla2" else hla_fast.ahla
+        o, _ = fn(*leaves[:3], normalize=normalize, chunk_size=16, backend=backend, **kw)
         used = leaves if kind == "g" else leaves[:3]
         return torch.autograd.grad((o.double() * w.to(dev)).sum(), used)
 

@@ -5,12 +5,19 @@ Forward: one program per (value block, segment, head) walks its segment's chunks
 from a zero state (``ahla_fwd_summary_kernel``) and a small kernel folds them into each segment's
 start state (``ahla_fwd_fold_kernel``), so that all segments then run at once.
 
-Backward: the chunk-start states (kept by the forward, or recomputed by a forward walk without
-outputs), a walk from the last chunk to the first carrying only the state gradients
+Backward, coupled (the default but for bf16 training with key tiles of 128): the chunk-start
+states (kept by the forward, or recomputed by a forward walk without outputs), a walk from the
+last chunk to the first carrying only the state gradients
 (``ahla_bwd_state_kernel``, segmented the same way with ``ahla_bwd_summary_kernel`` and
 ``ahla_bwd_fold_kernel``), then every chunk's dq, dk, dv in parallel (``ahla_bwd_grad_kernel``).
 The gradient of the log-gates g follows from dq and dk (see ``chunk_kernels.py``) plus the final
 state's share. Segments need keys of at most 128: a fold holds a K x K fp32 tile.
+
+Backward, layered (``ChunkConfig.bwd_layers``, :func:`_bwd_layers`): AHLA is first-order attention
+applied twice, so its backward is two first-order backwards, the outer layer's (on the first
+order's output R, which the forward keeps beside the chunk-start states) before the inner's, each
+a state-gradient walk (``ahla_bwd_dh_kernel``) and a per-chunk kernel (``ahla_bwd_layer_kernel``).
+A walk carries one state's gradient, not two coupled ones, so it splits over key blocks too.
 
 With ``config.fwd_prefetch`` / ``config.bwd_prefetch`` the forward's / backward's walks load each
 next chunk's tiles while computing the current one (PREFETCH in ``chunk_kernels.py``).
@@ -42,8 +49,8 @@ from ..common.launch import (
     pow2_block, rule_pieces, run_pieces, split_segments, value_block,
 )
 from .chunk_kernels import (
-    ahla_bwd_fold_kernel, ahla_bwd_grad_kernel, ahla_bwd_state_kernel, ahla_bwd_summary_kernel, ahla_fwd_fold_kernel,
-    ahla_fwd_kernel, ahla_fwd_summary_kernel,
+    ahla_bwd_dh_kernel, ahla_bwd_fold_kernel, ahla_bwd_grad_kernel, ahla_bwd_layer_kernel, ahla_bwd_state_kernel,
+    ahla_bwd_summary_kernel, ahla_fwd_fold_kernel, ahla_fwd_kernel, ahla_fwd_summary_kernel,
 )
 
 # widest value block of one backward program: the per-chunk gradient kernel holds a dozen
@@ -55,6 +62,17 @@ GRAD_SHARED_KEYS_MAX_K = 128
 SEGMENT_MAX_K = 128
 # fewest chunks a segment walks when segments are picked by occupancy
 MIN_SEGMENT_CHUNKS = 4
+# the layered backward's state-gradient walks (``ahla_bwd_dh_kernel``): key blocks of at most this
+# width, in DH_WARPS warps, loads pipelined DH_STAGES deep (the walk's loads do not depend on the
+# state it carries). At K = V = 128, T = 32k, bf16: 0.683 ms a walk, against 0.992 in 8 warps
+# without pipelining and 0.71 to 1.73 ms for key blocks of 32 or 128 (benchmarks/results/
+# ahla_h200_layers_kernels.md)
+DH_BLOCK_K = 64
+DH_WARPS = 4
+DH_STAGES = 3
+# the layered backward's per-chunk kernel (``ahla_bwd_layer_kernel``) pipelines the loads of its
+# two value blocks: 3.32 against 3.64 ms a launch in 8 warps (the same record)
+LAYER_STAGES = 2
 
 
 @functools.lru_cache(maxsize=4096)
@@ -67,9 +85,9 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
 
     * chunks of ``chunk_size`` forward (at most 32 for keys wider than 128: a [K, 64] tile of P
       and of E stays in registers); backward chunks of at most 64 rows, at most 32 for heads wider
-      than 64 and 16 for keys wider than 128 (the per-chunk gradient kernel holds many [BT, BT]
-      and [BT, K] tiles);
-    * keys of 65 to 128, training: the forward takes the backward's chunk of 32 and keeps its
+      than 64 and 16 for keys wider than 128 (the coupled per-chunk gradient kernel holds many
+      [BT, BT] and [BT, K] tiles), but 64 for the layered backward below;
+    * keys of 65 to 128, training, coupled backward: the forward takes the backward's chunk of 32 and keeps its
       chunk-start states, instead of a forward of 64 whose states the backward recomputes at 32
       (19.1 against 21.6 ms forward + backward at K = V = 128);
     * forward value blocks of 64 columns (the backward's are BWD_BLOCK_V);
@@ -85,6 +103,12 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     * training heads wider than 64 whose backward walk is one segment walk it in pieces, HLA2's rule
       (``common.launch.rule_pieces``): the chunk-end state gradients for a quarter of the sequence
       at a time (``ahla_h200_ab_pieces.json``);
+    * bf16 training with key tiles of 128: the backward as two first-order layers
+      (``bwd_layers``; ``ahla_h200.md``'s layouts, T = 32k), in chunks of 64 for both passes, the
+      forward in 4 warps without loading ahead, the backward in 8: 11.4 against 17.3 ms forward +
+      backward at K = V = 128 for the coupled backward in its layout (chunks of 32, an 8-warp
+      forward); in chunks of 32 17.5, with an 8-warp forward 11.9, a 4-warp backward 13.0. At
+      K = V = 64 the coupled backward in segments stays (3.52 against 4.27 ms);
     * bf16 walks load each next chunk's tiles ahead (``fwd_prefetch``, ``bwd_prefetch``;
       ``ahla_h200_prefetch.md``, T = 32k): the forward's at K = V = 64 (0.881 against 0.962 ms)
       and in 8 warps, the backward's in 8 warps (forward + backward at K = V = 128: 17.2 against
@@ -101,7 +125,9 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     precision there (:func:`grad_precision`)."""
     wide = max(K, V) > 64
     BK = pow2_block(K, min_key_block(device))
-    bwd_chunk = min(chunk_size, 16 if K > 128 else (32 if wide else 64))
+    bf16 = bf16_dots(dtype)
+    layers = training and bf16 and 64 < BK <= GRAD_SHARED_KEYS_MAX_K
+    bwd_chunk = min(chunk_size, 16 if K > 128 else (32 if wide and not layers else 64))
     if K > 128:
         fwd_chunk = min(chunk_size, 32)
     elif training and BK > 64:
@@ -110,8 +136,7 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
         fwd_chunk = chunk_size
     block_v = min(64, pow2_block(V, min_value_block(device)))
     bwd_warps = 4 if BK <= 64 else 8
-    bf16 = bf16_dots(dtype)
-    fwd_warps = 4 if BK <= 64 or (BK <= 128 and not training and bf16) else 8
+    fwd_warps = 4 if BK <= 64 or (BK <= 128 and (layers or not training) and bf16) else 8
     fwd_seg = bwd_seg = 1
     if K <= SEGMENT_MAX_K:
         # key tiles of 128 count one program a multiprocessor whatever the warps: the 4-warp forward
@@ -120,11 +145,14 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
         fwd_seg = one_wave_segments(cdiv(V, block_v) * B * H, cdiv(T, fwd_chunk), device, per_sm, MIN_SEGMENT_CHUNKS)
         bwd_bv = bwd_blocks(K, V, device)[1]
         bwd_seg = one_wave_segments(cdiv(V, bwd_bv) * B * H, cdiv(T, bwd_chunk), device, per_sm, MIN_SEGMENT_CHUNKS)
+    if layers:
+        bwd_seg = 1
     return ChunkConfig(fwd_chunk=fwd_chunk, bwd_chunk=bwd_chunk, fwd_segments=fwd_seg, bwd_segments=bwd_seg,
                        fwd_warps=fwd_warps, bwd_warps=bwd_warps, fwd_block_v=block_v, grad_parts=(7,),
                        save_states=fwd_chunk == bwd_chunk, bf16_snapshots=True,
-                       bwd_pieces=rule_pieces(wide and training, bwd_seg, cdiv(T, bwd_chunk)),
-                       fwd_prefetch=bf16 and (BK <= 64 or fwd_warps == 8), bwd_prefetch=bf16 and BK > 64)
+                       bwd_pieces=1 if layers else rule_pieces(wide and training, bwd_seg, cdiv(T, bwd_chunk)),
+                       fwd_prefetch=bf16 and (BK <= 64 or fwd_warps == 8), bwd_prefetch=bf16 and BK > 64 and not layers,
+                       bwd_layers=layers)
 
 
 def bwd_blocks(K: int, V: int, device: torch.device):
@@ -153,10 +181,16 @@ def grad_keys_per_block(n_value_blocks: int, BK: int, dtype: torch.dtype) -> boo
 
 
 def _check_config(cfg: ChunkConfig, K: int):
-    """Refuse a layout the kernels cannot run: segments for keys wider than SEGMENT_MAX_K."""
+    """Refuse a layout the kernels cannot run: segments for keys wider than SEGMENT_MAX_K; the
+    layered backward (``bwd_layers``) with backward segments, pieces or loading ahead, which are
+    the coupled walk's."""
     if K > SEGMENT_MAX_K and (cfg.fwd_segments != 1 or cfg.bwd_segments != 1):
         raise ValueError(f"ahla runs keys wider than {SEGMENT_MAX_K} (K={K}) in one segment: config.fwd_segments "
                          f"and config.bwd_segments must be 1, got {cfg.fwd_segments} and {cfg.bwd_segments}")
+    if cfg.bwd_layers and (cfg.bwd_segments != 1 or cfg.bwd_pieces != 1 or cfg.bwd_prefetch):
+        raise ValueError(f"ahla's layered backward (config.bwd_layers) walks each layer whole: config.bwd_segments "
+                         f"and config.bwd_pieces must be 1 and config.bwd_prefetch False, got {cfg.bwd_segments}, "
+                         f"{cfg.bwd_pieces} and {cfg.bwd_prefetch}")
 
 
 def _snapshot_dtype(cfg: ChunkConfig, dtype: torch.dtype) -> torch.dtype:
@@ -180,7 +214,8 @@ def _common(q, gamma, g):
 
 
 def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, segments=1, prefetch=False,
-               outputs=True, normalize=False, eps=0.0, store_final=True, snapshots=None, launch=launch_kernel):
+               outputs=True, normalize=False, eps=0.0, store_final=True, snapshots=None, keep_r=False,
+               launch=launch_kernel):
     """Run the forward walk (after the segment summaries and fold when ``segments > 1``).
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] or None; all contiguous. p0, e0: fp32
@@ -188,8 +223,10 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
     without them). outputs: compute o (else only states). normalize: carry (p, e) and divide by
     (den + eps). snapshots: None, or the dtype to store every chunk-start state (P, E) in.
     prefetch: the walks load each next chunk's tiles ahead (``ChunkConfig.fwd_prefetch``).
+    keep_r: with snapshots, also keep the first order's output R [B, T, H, V] (v's dtype) for the
+    layered backward.
     Returns (o [B, T, H, V] or None, den [B, T, H] fp32 or None, P_T, E_T, p_T or None,
-    e_T or None, (cs_p, cs_e) [B*H, NT, K, V] or None)."""
+    e_T or None, (cs_p, cs_e, R or None) or None; cs_p, cs_e [B*H, NT, K, V])."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     BH, dev, f32 = B * H, q.device, torch.float32
@@ -233,10 +270,11 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
     cs = None
     if snapshots is not None:
         cs = tuple(torch.empty(BH, NT, K, V, device=dev, dtype=snapshots) for _ in range(2))
+        cs += (torch.empty_like(v) if keep_r else None,)
     launch(ahla_fwd_kernel, (NV, nseg, BH),
         q=q, k=k, v=v, g=g, o=o, den=den, h0_p=h0[0], h0_e=h0[1], h0_pn=h0[2], h0_en=h0[3],
         ht_p=ht[0], ht_e=ht[1], ht_pn=ht[2], ht_en=ht[3],
-        cs_p=None if cs is None else cs[0], cs_e=None if cs is None else cs[1],
+        cs_p=None if cs is None else cs[0], cs_e=None if cs is None else cs[1], r=None if cs is None else cs[2],
         log_gamma=lg, eps=eps, T=T, NS=NS, **walk)
     return o, den, ht[0], ht[1], ht[2], ht[3], cs
 
@@ -247,9 +285,9 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
 
     q, k: [B, T, H, K]; v, do: [B, T, H, V]; g: [B, T, H] or None; p0, e0: fp32 initial state
     [B, H, K, V] or None; dht_p, dht_e: gradient of the final state (fp32 [B, H, K, V]) or None.
-    states: the chunk-start snapshots (cs_p, cs_e) a forward with chunk ``cfg.bwd_chunk`` stored,
-    or None to recompute them. want_db: also return dL/db [B, T, H] fp32 (without the final
-    state's share).
+    states: what a forward with chunk ``cfg.bwd_chunk`` kept, (cs_p, cs_e, R or None) (R with
+    ``cfg.bwd_layers``), or None to recompute them. want_db: also return dL/db [B, T, H] fp32
+    (without the final state's share).
     Returns dq, dk, dv (input dtypes), dP0, dE0 (fp32, None without p0), db (or None)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -258,12 +296,14 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
     BK, BV = bwd_blocks(K, V, dev)
     NT, NV = cdiv(T, BT), cdiv(V, BV)
     snap = _snapshot_dtype(cfg, q.dtype)
-    if states is None or states[0].dtype != snap:
+    if states is None or states[0].dtype != snap or (cfg.bwd_layers and states[2] is None):
         states = fwd_launch(q, k, v, g, gamma, p0, e0, None, None, chunk=BT, warps=nw, block_v=cfg.fwd_block_v,
                             segments=cfg.fwd_segments, prefetch=cfg.fwd_prefetch, outputs=False, store_final=False,
-                            snapshots=snap, launch=launch)[6]
-    cs_p, cs_e = states
+                            snapshots=snap, keep_r=cfg.bwd_layers, launch=launch)[6]
     do = do.contiguous()
+    if cfg.bwd_layers:
+        return _bwd_layers(q, k, v, do, g, gamma, p0, dht_p, dht_e, cfg, states, want_db, launch)
+    cs_p, cs_e = states[:2]
     flags, lg = _common(q, gamma, g)
     common = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, num_warps=nw, num_stages=1, **flags)
     has_dht = dht_p is not None or dht_e is not None
@@ -316,6 +356,47 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
     return dq, dk, dv, dh0[0], dh0[1], db
 
 
+def _bwd_layers(q, k, v, do, g, gamma, p0, dht_p, dht_e, cfg: ChunkConfig, states, want_db, launch):
+    """``bwd_launch`` as two first-order backwards (``ChunkConfig.bwd_layers``; the kernels'
+    module docstring): the outer layer O = LA(Q, K, R) with state E, then the inner R = LA(Q, K, V)
+    with state P. Each: a walk over the chunks from last to first giving every chunk's end-state
+    gradient (``ahla_bwd_dh_kernel``, programs over key blocks of at most DH_BLOCK_K and value blocks),
+    then every chunk's gradients (``ahla_bwd_layer_kernel``). The outer's gives dR, the inner's
+    output gradient; its dq, dk wait in dq, dk (in their dtype) for the inner's to be added.
+    states: (cs_p, cs_e, R) at chunk ``cfg.bwd_chunk``. Returns as ``bwd_launch``."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    BH, dev, f32 = B * H, q.device, torch.float32
+    BT, nw = cfg.bwd_chunk, cfg.bwd_warps
+    BK, BV = bwd_blocks(K, V, dev)
+    BKW = min(BK, DH_BLOCK_K)
+    NT = cdiv(T, BT)
+    cs_p, cs_e, r = states
+    flags, lg = _common(q, gamma, g)
+    kw = dict(H=H, K=K, V=V, BT=BT, BV=BV, **flags)
+    walk_kw = dict(kw, BK=BKW, num_warps=DH_WARPS, num_stages=DH_STAGES)
+    grad_kw = dict(kw, BK=BK, num_warps=nw, num_stages=LAYER_STAGES)
+    dst = _dstate_dtype(_snapshot_dtype(cfg, q.dtype), BK)
+    dh0 = ((torch.empty(B, H, K, V, device=dev, dtype=f32), torch.empty(B, H, K, V, device=dev, dtype=f32))
+           if p0 is not None else (None, None))
+    dht = [None if x is None else x.float().contiguous() for x in (dht_p, dht_e)]
+    dq, dk, dv, dr = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(v)
+    db = torch.empty(B, T, H, device=dev, dtype=f32) if want_db else None
+    dh_end = torch.empty(BH, NT, K, V, device=dev, dtype=dst)
+    walk = (cdiv(V, BV), cdiv(K, BKW), BH)
+    # -- the outer layer: dE walk over dO, then dR and the outer's dq, dk -----------------------
+    launch(ahla_bwd_dh_kernel, walk, q=q, dy=do, g=g, dh_end=dh_end, dht=dht[1], dh0=dh0[1], log_gamma=lg, T=T,
+           **walk_kw)
+    launch(ahla_bwd_layer_kernel, (NT, BH), q=q, k=k, x=r, dy=do, g=g, h0=cs_e, dh_end=dh_end, dx=dr, dq=dq, dk=dk,
+           dq_in=None, dk_in=None, db=None, log_gamma=lg, T=T, **grad_kw)
+    # -- the inner layer: dP walk over dR, then dv and the sums dq, dk (and db) --------------------
+    launch(ahla_bwd_dh_kernel, walk, q=q, dy=dr, g=g, dh_end=dh_end, dht=dht[0], dh0=dh0[0], log_gamma=lg, T=T,
+           **walk_kw)
+    launch(ahla_bwd_layer_kernel, (NT, BH), q=q, k=k, x=v, dy=dr, g=g, h0=cs_p, dh_end=dh_end, dx=dv, dq=dq, dk=dk,
+           dq_in=dq, dk_in=dk, db=db, log_gamma=lg, T=T, **grad_kw)
+    return dq, dk, dv, dh0[0], dh0[1], db
+
+
 def _cat_last(a, b):
     """[a | b] along the last dim, b a vector per row (None when a is None)."""
     return None if a is None else torch.cat([a, b[..., None].to(a.dtype)], -1)
@@ -326,23 +407,24 @@ def ahla_fwd(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg: ChunkConf
     """The forward pass: q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] or None (contiguous);
     p0, e0 fp32 [B, H, K, V] or None; pn0, en0 fp32 [B, H, K] or None; gamma a float or None.
     keep_states: store the chunk-start states for :func:`ahla_bwd` (only without normalize and
-    when ``cfg.fwd_chunk == cfg.bwd_chunk``; else nothing is kept).
+    when ``cfg.fwd_chunk == cfg.bwd_chunk``; else nothing is kept), and with ``cfg.bwd_layers``
+    the first order's output R.
     Returns (o [B, T, H, V], den [B, T, H] fp32 or None, P_T, E_T [B, H, K, V], p_T, e_T [B, H, K]
-    or None, cs_p, cs_e [B*H, NT, K, V] or None)."""
+    or None, cs_p, cs_e [B*H, NT, K, V] or None, R [B, T, H, V] or None)."""
     _check_config(cfg, q.shape[-1])
     save = keep_states and not normalize and cfg.fwd_chunk == cfg.bwd_chunk
     o, den, PT, ET, pT, eT, cs = fwd_launch(
         q, k, v, g, gamma, p0, e0, pn0, en0, chunk=cfg.fwd_chunk, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v,
         segments=cfg.fwd_segments, prefetch=cfg.fwd_prefetch, normalize=normalize, eps=eps,
-        snapshots=_snapshot_dtype(cfg, q.dtype) if save else None, launch=launch)
-    cs = (None, None) if cs is None else cs
-    return o, den, PT, ET, pT, eT, cs[0], cs[1]
+        snapshots=_snapshot_dtype(cfg, q.dtype) if save else None, keep_r=cfg.bwd_layers, launch=launch)
+    cs = (None, None, None) if cs is None else cs
+    return (o, den, PT, ET, pT, eT) + cs
 
 
-def ahla_bwd(q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, do, dPT, dET, dpT, deT,
+def ahla_bwd(q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, r, do, dPT, dET, dpT, deT,
              gamma, normalize, eps, cfg: ChunkConfig, want_dg=False, launch=launch_kernel):
     """The backward pass of :func:`ahla_fwd`: its inputs, its outputs (o and den are read only
-    when normalizing), its kept states (or None), and the cotangents do [B, T, H, V] (or None),
+    when normalizing), its kept states and R (or None), and the cotangents do [B, T, H, V] (or None),
     dPT, dET [B, H, K, V], dpT, deT [B, H, K] (each or None).
     Returns (dq, dk, dv, dg or None, dP0, dE0, dp0, de0; the state gradients None without p0,
     dp0 and de0 None unless normalizing)."""
@@ -365,7 +447,7 @@ def ahla_bwd(q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, d
                 (dPT, (B, H, K, V)), (dET, (B, H, K, V)), (dpT, (B, H, K)), (deT, (B, H, K))))
             dPT, dET = _cat_last(dPT, dpT), _cat_last(dET, deT)
         PT, ET = _cat_last(PT, pT), _cat_last(ET, eT)
-    states = None if cs_p is None else (cs_p, cs_e)
+    states = None if cs_p is None else (cs_p, cs_e, r)
     dq, dk, dv, dP0, dE0, db = bwd_launch(q, k, v, do, g, gamma, p0, e0, dPT, dET, cfg, states=states,
                                           want_db=want_dg, launch=launch)
     dp0 = de0 = None
@@ -400,21 +482,21 @@ class AHLAChunkFunction(torch.autograd.Function):
         # state's cotangents are [B, H, K, K]-sized: zeros would cost memory and a walk from zero)
         ctx.set_materialize_grads(False)
         grads = any(ctx.needs_input_grad[:8])
-        o, den, PT, ET, pT, eT, cs_p, cs_e = ahla_fwd(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg,
-                                                      keep_states=grads and cfg.save_states, launch=launch)
+        o, den, PT, ET, pT, eT, cs_p, cs_e, r = ahla_fwd(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg,
+                                                         keep_states=grads and cfg.save_states, launch=launch)
         # the final state is read back only for the log-gates' gradient (its own factor e^{b_T})
         final = (PT, ET, pT, eT) if g is not None and ctx.needs_input_grad[3] else (None,) * 4
-        ctx.save_for_backward(q, k, v, g, p0, e0, pn0, en0, o if normalize else None, den, *final, cs_p, cs_e)
+        ctx.save_for_backward(q, k, v, g, p0, e0, pn0, en0, o if normalize else None, den, *final, cs_p, cs_e, r)
         ctx.gamma, ctx.normalize, ctx.eps, ctx.cfg, ctx.launch = gamma, normalize, eps, cfg, launch
         return o, PT, ET, pT, eT
 
     @staticmethod
     @once_differentiable
     def backward(ctx, do, dPT, dET, dpT, deT):
-        q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e = ctx.saved_tensors
+        q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, r = ctx.saved_tensors
         want_dg = g is not None and ctx.needs_input_grad[3]
         dq, dk, dv, dg, dP0, dE0, dp0, de0 = ahla_bwd(
-            q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, do, dPT, dET, dpT, deT,
+            q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, r, do, dPT, dET, dpT, deT,
             ctx.gamma, ctx.normalize, ctx.eps, ctx.cfg, want_dg=want_dg, launch=ctx.launch)
         return dq, dk, dv, dg, dP0, dE0, dp0, de0, None, None, None, None, None
 

@@ -187,6 +187,7 @@ def _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM: tl.constexpr, 
     "HAS_INIT": lambda a: a["h0_p"] is not None,
     "HAS_O": lambda a: a["o"] is not None,
     "SAVE_STATES": lambda a: a["cs_p"] is not None,
+    "STORE_R": lambda a: a["r"] is not None,
     "STORE_FINAL": lambda a: a["ht_p"] is not None,
     "NORM": lambda a: a["ht_pn"] is not None or a["den"] is not None,
 })
@@ -197,17 +198,18 @@ def ahla_fwd_kernel(
     h0_p, h0_e, h0_pn, h0_en,  # start state of every segment, fp32 [B*H*NSEG, K, V] x 2, [.., K] x 2; or None
     ht_p, ht_e, ht_pn, ht_en,  # out: final state [B*H, K, V] x 2, [B*H, K] x 2; or None
     cs_p, cs_e,              # out: chunk-start snapshots [B*H, NT, K, V] x 2; or None
+    r,                       # out: the first order's output R [B, T, H, V] (v's dtype); or None
     log_gamma, eps, T, NS,   # log(gamma) (without g), normalizer eps, sequence length, chunks per segment
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
     HAS_G: tl.constexpr, HAS_INIT: tl.constexpr, HAS_O: tl.constexpr, SAVE_STATES: tl.constexpr,
-    STORE_FINAL: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr,
+    STORE_R: tl.constexpr, STORE_FINAL: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """One program per (value block, segment, batch*head) walks its segment's chunks in order,
     keeping its columns of P and E (and all of p, e when NORM) in fp32 registers: outputs (HAS_O,
-    normalized when NORM), chunk-start snapshots (SAVE_STATES) and the final state (STORE_FINAL,
-    last segment)."""
+    normalized when NORM), chunk-start snapshots (SAVE_STATES), the first order's output R for the
+    layered backward (STORE_R) and the final state (STORE_FINAL, last segment)."""
     # -- which piece of work this program owns ---------------------------------------------
     i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NSEG = tl.num_programs(1)
@@ -248,6 +250,9 @@ def ahla_fwd_kernel(
             store_mat(cs_e + off_cs, E, rk, mk, rv, mv, V)
         # -- first order: R = diag(g1) Q P0 + A V ------------------------------------------
         b_a, b_r, r_n = _chunk_first_order(b_q, b_kt, b_v, P, pn, G, g1, NORM, IS_BF16, PREC)
+        if STORE_R:
+            tl.store(r + off_v + t[:, None] * (H * V) + rv[None, :], b_r.to(r.dtype.element_ty),
+                     mask=mt[:, None] & mv[None, :])
         # -- second order: O = diag(g1) Q E0 + A R ------------------------------------------
         if HAS_O:
             b_o = dot(b_q, E, IS_BF16, PREC) * g1[:, None] + dot(b_a, b_r, IS_BF16, PREC)      # [BT, BV]
@@ -700,4 +705,146 @@ def ahla_bwd_grad_kernel(
         if HAS_DB:
             b_db -= tl.sum(b_k.to(tl.float32) * b_dk, axis=1)
     if HAS_DB:
+        tl.store(db + off_g + t * H, b_db, mask=mt)
+
+
+# ============================================================================ backward as two first-order layers
+# AHLA is first-order attention applied twice (module docstring): R = LA(Q, K, V) with state P, then
+# O = LA(Q, K, R) with state E. Its backward is then two first-order backwards, the outer layer's
+# first: with the outer's state gradients dE (a walk over dO) the outer's per-chunk kernel gives
+# dR = A^T dO + Kg dE and the outer's terms of dQ, dK; with the inner's dP (a walk over dR) the
+# inner's per-chunk kernel gives dV and adds the inner's terms. Each walk carries one K x V state
+# gradient, so it splits over key blocks as well as value blocks (four times the programs of the
+# coupled walk at K = V = 128), and each per-chunk kernel holds one layer's tiles.
+
+
+@triton.heuristics({
+    "HAS_G": lambda a: a["g"] is not None,
+    "HAS_DHT": lambda a: a["dht"] is not None,
+    "STORE_DH0": lambda a: a["dh0"] is not None,
+})
+@triton.jit
+def ahla_bwd_dh_kernel(
+    q, dy, g,                # q: [B, T, H, K]; dy: a layer's output gradient [B, T, H, V] (dO, dR); g or None
+    dh_end,                  # out: the gradient of each chunk's END state [B*H, NT, K, V] (the snapshots' dtype)
+    dht,                     # gradient of the final state, fp32 [B*H, K, V]; or None (zero)
+    dh0,                     # out: gradient of the initial state, fp32 [B*H, K, V]; or None
+    log_gamma, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+):
+    """One program per (value block, key block, batch*head) walks the chunks from last to first
+    carrying its [BK, BV] block of one layer's state gradient: the layer reads its state as
+    Y = diag(g1) Q H0 + .., so  dH0 = gC dH + Q^T diag(g1) dY. Each chunk's end gradient is stored
+    for the per-chunk kernel (``ahla_bwd_layer_kernel``)."""
+    i_v, i_kb, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NT = tl.cdiv(T, BT)
+    off_k, off_v, off_g = _head_offsets(i_bh, T, H, K, V)
+    rt = tl.arange(0, BT)
+    rk = i_kb * BK + tl.arange(0, BK)
+    rv = i_v * BV + tl.arange(0, BV)
+    mk = rk < K
+    mv = rv < V
+    base = i_bh.to(tl.int64) * K * V
+    d_h = mat_or_zeros(dht, base, rk, mk, rv, mv, V, BK, BV, HAS_DHT)              # dH [BK, BV]
+    for i_r in range(0, NT):
+        i_c = NT - 1 - i_r
+        store_mat(dh_end + (i_bh.to(tl.int64) * NT + i_c) * K * V, d_h, rk, mk, rv, mv, V)
+        t = i_c * BT + rt
+        mt = t < T
+        b_qt = load_cols(q + off_k, t, mt, rk, mk, H * K, IS_BF16)                # Q^T [BK, BT]
+        b_dy = load_rows(dy + off_v, t, mt, rv, mv, H * V, IS_BF16)               # dY  [BT, BV]
+        G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
+        d_h = d_h * gC + dot(b_qt * g1[None, :], b_dy, IS_BF16, PREC)
+    if STORE_DH0:
+        store_mat(dh0 + base, d_h, rk, mk, rv, mv, V)
+
+
+@triton.heuristics({
+    "HAS_G": lambda a: a["g"] is not None,
+    "HAS_ACC": lambda a: a["dq_in"] is not None,
+    "HAS_DB": lambda a: a["db"] is not None,
+})
+@triton.jit
+def ahla_bwd_layer_kernel(
+    q, k, x, dy, g,          # q, k: [B, T, H, K]; the layer's value x and output gradient dy [B, T, H, V]; g or None
+    h0, dh_end,              # the layer's chunk-start snapshots and chunk-end state gradients [B*H, NT, K, V]
+    dx, dq, dk,              # out: dx [B, T, H, V] (x's dtype); dq, dk [B, T, H, K]
+    dq_in, dk_in,            # the other layer's dq, dk to add (may be dq, dk themselves); or None
+    db,                      # out: dL/db_t = q_t.dq_t - k_t.dk_t (without the final state's share) fp32 [B, T, H]; or None
+    log_gamma, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_ACC: tl.constexpr, HAS_DB: tl.constexpr,
+):
+    """One program per (chunk, batch*head): one first-order layer's gradients of a chunk,
+    Y = diag(g1) Q H0 + A X with A = (Q K^T) o G and the state's end H = gC H0 + Kg^T X:
+
+        dX = A^T dY + Kg dH,   dM = (dY X^T) o G,
+        dQ = diag(g1) dY H0^T + dM K,   dK = dM^T Q + diag(gl) X dH^T.
+
+    dM, dY H0^T and X dH^T are sums over the value columns: the loop over value blocks sums
+    them, and the two products with the key tiles follow once. dM^T comes from its own dot of
+    loaded tiles (X dY^T o G^T), as A^T (K Q^T o G^T). With HAS_ACC the other layer's dq_in,
+    dk_in (stored in dq's dtype) are added before storing; the gate gradient db needs the sum,
+    so it comes with the second layer."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    NT = tl.cdiv(T, BT)
+    off_k, off_v, off_g = _head_offsets(i_bh, T, H, K, V)
+    rt = tl.arange(0, BT)
+    rk = tl.arange(0, BK)
+    mk = rk < K
+    t = i_c * BT + rt
+    mt = t < T
+    # -- the chunk's key tiles and decay factors ------------------------------------------------
+    b_q = load_rows(q + off_k, t, mt, rk, mk, H * K, IS_BF16)                     # Q   [BT, BK]
+    b_qt = load_cols(q + off_k, t, mt, rk, mk, H * K, IS_BF16)                    # Q^T [BK, BT]
+    b_k = load_rows(k + off_k, t, mt, rk, mk, H * K, IS_BF16)                     # K   [BT, BK]
+    beta = chunk_beta(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
+    G, g1, g2, gl, gC, bL = chunk_decays(beta, mt, BT, HAS_DECAY)
+    GT = chunk_decays_t(beta, BT, HAS_DECAY)
+    b_at = tl.where(GT > 0, tl.dot(b_k, b_qt, input_precision=PREC) * GT, 0.0)   # A^T [BT, BT]
+    b_kg = b_k * gl[:, None]                                                      # Kg  [BT, BK]
+    # -- sums over the value blocks ----------------------------------------------------------
+    b_dm = tl.zeros([BT, BT], dtype=tl.float32)                                   # dY X^T
+    b_dmt = tl.zeros([BT, BT], dtype=tl.float32)                                  # X dY^T
+    b_dqh = tl.zeros([BT, BK], dtype=tl.float32)                                  # dY H0^T
+    b_dkh = tl.zeros([BT, BK], dtype=tl.float32)                                  # X dH^T
+    off_s = (i_bh.to(tl.int64) * NT + i_c) * K * V
+    for i_v in range(0, tl.cdiv(V, BV)):
+        rv = i_v * BV + tl.arange(0, BV)
+        mv = rv < V
+        b_x = load_rows(x + off_v, t, mt, rv, mv, H * V, IS_BF16)                 # X    [BT, BV]
+        b_xt = load_cols(x + off_v, t, mt, rv, mv, H * V, IS_BF16)                # X^T  [BV, BT]
+        b_dy = load_rows(dy + off_v, t, mt, rv, mv, H * V, IS_BF16)               # dY   [BT, BV]
+        b_dyt = load_cols(dy + off_v, t, mt, rv, mv, H * V, IS_BF16)              # dY^T [BV, BT]
+        b_h0t = load_mat_t(h0 + off_s, rv, mv, rk, mk, V)                         # H0^T [BV, BK]
+        d_h = load_mat(dh_end + off_s, rk, mk, rv, mv, V)                         # dH   [BK, BV]
+        d_ht = load_mat_t(dh_end + off_s, rv, mv, rk, mk, V)                      # dH^T [BV, BK]
+        # -- dX = A^T dY + Kg dH: this block's columns, stored now ---------------------------
+        b_dx = dot(b_at, b_dy, IS_BF16, PREC) + dot(b_kg, d_h, IS_BF16, PREC)     # [BT, BV]
+        tl.store(dx + off_v + t[:, None] * (H * V) + rv[None, :], b_dx.to(dx.dtype.element_ty),
+                 mask=mt[:, None] & mv[None, :])
+        # -- this block's terms of the sums over value columns ------------------------------
+        b_dm += dot(b_dy, b_xt, IS_BF16, PREC)
+        b_dmt += dot(b_x, b_dyt, IS_BF16, PREC)
+        b_dqh += dot(b_dy, b_h0t, IS_BF16, PREC)
+        b_dkh += dot(b_x, d_ht, IS_BF16, PREC)
+    # -- dQ = diag(g1) dY H0^T + dM K,  dK = dM^T Q + diag(gl) X dH^T ----------------------------
+    b_dm = tl.where(G > 0, b_dm * G, 0.0)
+    b_dmt = tl.where(GT > 0, b_dmt * GT, 0.0)
+    b_dq = b_dqh * g1[:, None] + dot(b_dm, b_k, IS_BF16, PREC)
+    b_dk = b_dkh * gl[:, None] + dot(b_dmt, b_q, IS_BF16, PREC)
+    p_k = off_k + t[:, None] * (H * K) + rk[None, :]
+    m_tk = mt[:, None] & mk[None, :]
+    if HAS_ACC:
+        b_dq += tl.load(dq_in + p_k, mask=m_tk, other=0.0).to(tl.float32)
+        b_dk += tl.load(dk_in + p_k, mask=m_tk, other=0.0).to(tl.float32)
+    tl.store(dq + p_k, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(dk + p_k, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    if HAS_DB:
+        b_db = tl.sum(b_q.to(tl.float32) * b_dq, axis=1) - tl.sum(b_k.to(tl.float32) * b_dk, axis=1)
         tl.store(db + off_g + t * H, b_db, mask=mt)

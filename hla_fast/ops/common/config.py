@@ -37,6 +37,11 @@ class ChunkConfig:
         state walk (and its summaries), load the next chunk's tiles before computing the current
         one, so that their memory latency overlaps the products, at the cost of the registers
         holding them. AHLA; HLA2 and HLA3 take only False.
+    bwd_layers: the backward runs as two first-order backwards, the outer layer (on the first
+        order's output, which the forward then keeps) before the inner one, each a state-gradient
+        walk split over key and value blocks and a per-chunk kernel, instead of one walk carrying
+        both state gradients and one per-chunk kernel. Needs ``bwd_segments``, ``bwd_pieces`` of 1
+        and no ``bwd_prefetch``. AHLA; HLA2 and HLA3 take only False.
     """
 
     fwd_chunk: int = 64
@@ -52,6 +57,7 @@ class ChunkConfig:
     bwd_pieces: int = 1
     fwd_prefetch: bool = False
     bwd_prefetch: bool = False
+    bwd_layers: bool = False
 
     def __post_init__(self):
         for name in ("fwd_chunk", "bwd_chunk"):
@@ -75,7 +81,7 @@ class ChunkConfig:
             raise ValueError(f"config.grad_parts must be a tuple of masks in 1..7, got {parts!r}")
         if sorted(b for m in parts for b in (1, 2, 4) if m & b) != [1, 2, 4]:
             raise ValueError(f"config.grad_parts must cover dq (1), dk (2) and dv (4) once each, got {parts!r}")
-        for name in ("save_states", "bf16_snapshots", "fwd_prefetch", "bwd_prefetch"):
+        for name in ("save_states", "bf16_snapshots", "fwd_prefetch", "bwd_prefetch", "bwd_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"config.{name} must be True or False, got {getattr(self, name)!r}")
 
@@ -84,8 +90,13 @@ class ChunkConfig:
         return dataclasses.replace(self, **changes)
 
 
-def refuse_prefetch(cfg: ChunkConfig, op: str) -> None:
-    """Refuse ``fwd_prefetch`` / ``bwd_prefetch`` for an operator whose walks do not load ahead."""
+def refuse_ahla_fields(cfg: ChunkConfig, op: str) -> None:
+    """Refuse the fields only AHLA's kernels take for another operator: ``fwd_prefetch`` /
+    ``bwd_prefetch`` (its walks do not load ahead) and ``bwd_layers`` (its backward is not two
+    first-order ones)."""
     if cfg.fwd_prefetch or cfg.bwd_prefetch:
         raise ValueError(f"config.fwd_prefetch and config.bwd_prefetch must be False for {op} (its walks do not load "
                          f"ahead; ahla's do), got {cfg.fwd_prefetch} and {cfg.bwd_prefetch}")
+    if cfg.bwd_layers:
+        raise ValueError(f"config.bwd_layers must be False for {op} (its backward is not two first-order layers; "
+                         f"ahla's is), got True")

@@ -38,7 +38,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..common.compile import compile_ahead, launch_kernel
-from ..common.config import ChunkConfig, refuse_prefetch
+from ..common.config import ChunkConfig, refuse_ahla_fields
 from ..common.gates import log_gamma, reverse_cumsum
 from ..common.launch import (
     bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments, plan_pieces,
@@ -409,7 +409,7 @@ def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chu
     operator; the pair's state is S[a, b] and its share of W's rows a (W's rows a are the sum over
     b). Normalized, the pairs run on [v | 1] and the quotient is taken at the end."""
     if config is not None:
-        refuse_prefetch(config, "hla2")
+        refuse_ahla_fields(config, "hla2")
     if launch is None:
         args = (q, k, v, g, gamma, s0, w0, z0, normalize, eps, config, chunk_size)
         compile_ahead("hla2", hla2_chunked, args, q.device)

@@ -37,7 +37,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..common.compile import compile_ahead, launch_kernel
-from ..common.config import ChunkConfig, refuse_prefetch
+from ..common.config import ChunkConfig, refuse_ahla_fields
 from ..common.gates import log_gamma, reverse_cumsum
 from ..common.launch import (
     autograd_records, bf16_dots, cdiv, dot_precision, min_key_block, min_value_block, one_wave_segments, pow2_block,
@@ -344,7 +344,7 @@ def hla3_chunked(q, k, v, g, gamma, state, normalize, eps, config=None, chunk_si
     if state is not None:
         p0, f0 = p0.contiguous(), f0.contiguous()
     cfg = config if config is not None else hla3_config(B, T, H, K, vv.shape[-1], q.dtype, q.device, chunk_size)
-    refuse_prefetch(cfg, "hla3")
+    refuse_ahla_fields(cfg, "hla3")
     if cfg.bwd_pieces != 1:   # HLA3's backward walk has no pieces (HLA2's and AHLA's have)
         raise ValueError(f"config.bwd_pieces must be 1 for hla3 (its backward walks the sequence in one piece), "
                          f"got {cfg.bwd_pieces}")
