@@ -246,6 +246,9 @@ def test_config_rule_and_wide_segments_refused(device):
     assert (cfg.fwd_prefetch, cfg.bwd_prefetch) == (bf16, False)
     assert (wide.fwd_prefetch, wide.bwd_prefetch) == (False, bf16)
     assert (train.fwd_prefetch, train.bwd_prefetch) == (False, False)
+    # an inference forward of chunks of 128 with 128-wide keys: 8 warps, no loading ahead
+    long_chunks = chunk.ahla_config(2, 4096, 4, 128, 128, torch.bfloat16, torch.device(device), 128)
+    assert (long_chunks.fwd_chunk, long_chunks.fwd_warps, long_chunks.fwd_prefetch) == (128, 8, False)
     f32 = chunk.ahla_config(2, 4096, 4, 128, 128, torch.float32, torch.device(device), 64, training=True)
     assert not f32.fwd_prefetch and not f32.bwd_prefetch
     widest = chunk.ahla_config(1, 4096, 1, 256, 64, torch.bfloat16, torch.device(device), 64)

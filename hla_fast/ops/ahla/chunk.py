@@ -91,6 +91,11 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
       chunk-start states, instead of a forward of 64 whose states the backward recomputes at 32
       (19.1 against 21.6 ms forward + backward at K = V = 128);
     * forward value blocks of 64 columns (the backward's are BWD_BLOCK_V);
+    * a bf16 forward of chunks of 128 (``chunk_size=128``) with key tiles of 128 runs in 8 warps
+      without loading ahead: 2.35 ms against 2.67 for the default chunks of 64 in 4 warps
+      (K = V = 128, T = 32k, ``ahla_h200_fwd_chunks.md``; in 4 warps, or loading ahead, an sm_90
+      compile spills 3.4 and 2.9 KB of registers a thread, against 0.56 KB:
+      ``compile_ahla_bf16_k128_fwd_chunk128_{w4,w8_prefetch,w8}_cpu.md``);
     * 4 warps for key tiles up to 64 wide, 8 above; but a bf16 inference forward (chunks of 64)
       at key tiles of 128 takes 4 (2.34 against 2.73 ms at K = V = 128);
     * the per-chunk gradients in one launch (two or three launches, ``grad_parts``, spill fewer
@@ -137,6 +142,9 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     block_v = min(64, pow2_block(V, min_value_block(device)))
     bwd_warps = 4 if BK <= 64 else 8
     fwd_warps = 4 if BK <= 64 or (BK <= 128 and (layers or not training) and bf16) else 8
+    wide_long = bf16 and BK > 64 and fwd_chunk >= 128   # a forward of chunks of 128 with wide keys
+    if wide_long:
+        fwd_warps = 8
     fwd_seg = bwd_seg = 1
     if K <= SEGMENT_MAX_K:
         # key tiles of 128 count one program a multiprocessor whatever the warps: the 4-warp forward
@@ -151,7 +159,8 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
                        fwd_warps=fwd_warps, bwd_warps=bwd_warps, fwd_block_v=block_v, grad_parts=(7,),
                        save_states=fwd_chunk == bwd_chunk, bf16_snapshots=True,
                        bwd_pieces=1 if layers else rule_pieces(wide and training, bwd_seg, cdiv(T, bwd_chunk)),
-                       fwd_prefetch=bf16 and (BK <= 64 or fwd_warps == 8), bwd_prefetch=bf16 and BK > 64 and not layers,
+                       fwd_prefetch=bf16 and (BK <= 64 or fwd_warps == 8) and not wide_long,
+                       bwd_prefetch=bf16 and BK > 64 and not layers,
                        bwd_layers=layers)
 
 
