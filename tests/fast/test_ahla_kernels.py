@@ -497,6 +497,32 @@ def test_gpu_forward_backward(dtype, K, V, normalize, poison):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_gpu_forward_of_chunks_of_128(dtype, normalize, poison):
+    """chunk_size=128 with 128-wide keys: the rule's 8-warp forward of chunks of 128 (bf16) and the
+    fp32 one, gates, an initial state and the final state, against the float64 torch path."""
+    B, T, H, K, V = 2, 1500, 2, 128, 128
+    q, k, v = rand_qkv(B, T, H, K, V, seed=21, scale=0.15, positive=normalize, device="cuda", dtype=dtype)
+    g = rand_gates(B, T, H, seed=22, strength=0.01, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    st0 = AHLAState(0.1 * torch.randn(B, H, K, V, device="cuda", generator=gen),
+                    0.1 * torch.randn(B, H, K, V, device="cuda", generator=gen),
+                    0.1 * torch.rand(B, H, K, device="cuda", generator=gen) if normalize else None,
+                    0.1 * torch.rand(B, H, K, device="cuda", generator=gen) if normalize else None)
+    assert chunk.ahla_config(B, T, H, K, V, dtype, torch.device("cuda"), 128).fwd_chunk == 128
+    o, st = hla_fast.ahla(q, k, v, g=g, normalize=normalize, initial_state=st0, output_final_state=True,
+                          chunk_size=128)
+    o64, st64 = hla_fast.ahla(q.double(), k.double(), v.double(), g=g.double(), normalize=normalize,
+                              initial_state=AHLAState(*(None if x is None else x.double() for x in st0)),
+                              output_final_state=True, backend="torch")
+    assert rel(o, o64) < GPU_TOL[dtype]
+    for a, b in zip(st, st64):
+        if b is not None:
+            assert rel(a, b) < GPU_TOL[dtype]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("normalize", [False, True])
 def test_gpu_decode_continues_prefill(normalize, poison):
     B, T, H, K, V = 2, 300, 4, 128, 128
