@@ -129,6 +129,33 @@ def test_profile_kernels_cases_and_markdown():
     assert "hla2, K = V = 64, T = 1024: 4 ms of kernels" in md
     assert "ahla, gates g, K = V = 64, T = 1024: 2 ms of kernels" in md
     assert "| `a_kernel` | 3 | 75% | 1 |" in md and "| `b_kernel` | 1 | 25% | 2 |" in md
+    assert "the default configuration" in md
+    changed = pk.render_markdown(dict(res, config={"bwd_layers": True}))
+    assert 'the rule\'s configuration changed by `{"bwd_layers": true}`' in changed
+
+
+def test_profile_kernels_refuses_a_config_that_is_not_an_object():
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "profile_kernels.py"), "--config", "[1]"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 2 and "--config: expected a JSON object of ChunkConfig fields" in run.stderr
+
+
+def test_layer_kernels_needs_cuda_and_renders_its_record(tmp_path):
+    """benchmarks/layer_kernels.py times compiled kernels: without CUDA it says so; --render writes
+    the markdown beside a recorded JSON."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "layer_kernels.py")], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT, env=env)
+    assert run.returncode == 2 and "needs a CUDA device" in run.stderr
+    rec = tmp_path / "ahla_x.json"
+    res = {"device": "dev", "date": "d", "versions": {"torch": "t", "triton": "tr"}, "K": 128, "T": 64,
+           "walk": [[64, 4, 3, 0.5]], "grad": [[64, 8, 2, "OutOfResources: shared memory"]]}
+    rec.write_text(json.dumps(res))
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "layer_kernels.py"), "--render", str(rec)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    md = (tmp_path / "ahla_x.md").read_text()
+    assert "| 64 | 4 | 3 | 0.500 |" in md and "| 64 | 8 | 2 | OutOfResources: shared memory |" in md
 
 
 def test_ab_revision_imports_an_earlier_package_beside_this_one(tmp_path):
