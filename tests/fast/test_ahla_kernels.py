@@ -38,6 +38,15 @@ def _inputs(device, B=1, T=45, H=2, K=12, V=20, seed=5, positive=False):
     return q, k, v, rand_gates(B, T, H, seed=seed, device=device)
 
 
+def _state0(B, H, K, V, normalize, gen, scale=0.2):
+    """A random initial state on gen's device: P, E normal; p, e (positive) only when normalizing."""
+    dev = gen.device
+    return AHLAState(scale * torch.randn(B, H, K, V, generator=gen, device=dev),
+                     scale * torch.randn(B, H, K, V, generator=gen, device=dev),
+                     scale * torch.rand(B, H, K, generator=gen, device=dev) if normalize else None,
+                     scale * torch.rand(B, H, K, generator=gen, device=dev) if normalize else None)
+
+
 def _grads64(q, k, v, g, do, st0=None, normalize=False):
     """float64 torch-path output and gradients (q, k, v, g, then the state's parts)."""
     leaves = [x.detach().double().cpu().requires_grad_() for x in (q, k, v, g)]
@@ -87,10 +96,7 @@ def test_value_blocks_in_both_passes(normalize, keys_per_block, device, poison, 
     B, T, H, K, V = 1, 33, 2, 12, 80
     q, k, v, g = _inputs(device, B, T, H, K, V, seed=8, positive=normalize)
     gen = torch.Generator().manual_seed(9)
-    st0 = AHLAState(0.2 * torch.randn(B, H, K, V, generator=gen), 0.2 * torch.randn(B, H, K, V, generator=gen),
-                    0.2 * torch.rand(B, H, K, generator=gen) if normalize else None,
-                    0.2 * torch.rand(B, H, K, generator=gen) if normalize else None)
-    st0 = AHLAState(*(None if x is None else x.to(device) for x in st0))
+    st0 = AHLAState(*(None if x is None else x.to(device) for x in _state0(B, H, K, V, normalize, gen)))
     do = torch.randn(B, T, H, V, generator=gen)
     leaves = [x.clone().requires_grad_() for x in (q, k, v, g)]
     parts = [None if x is None else x.clone().requires_grad_() for x in st0]
@@ -197,9 +203,7 @@ def test_layered_backward(save_states, normalize, device, poison):
     B, T, H, K, V = 1, 37, 2, 72, 70
     q, k, v, g = _inputs(device, B, T, H, K, V, seed=19, positive=normalize)
     gen = torch.Generator().manual_seed(20)
-    st0 = AHLAState(0.2 * torch.randn(B, H, K, V, generator=gen), 0.2 * torch.randn(B, H, K, V, generator=gen),
-                    0.2 * torch.rand(B, H, K, generator=gen) if normalize else None,
-                    0.2 * torch.rand(B, H, K, generator=gen) if normalize else None)
+    st0 = _state0(B, H, K, V, normalize, gen)
     do = torch.randn(B, T, H, V, generator=gen)
     w = AHLAState(*(None if x is None else torch.randn(x.shape, generator=gen) for x in st0))
     cfg = _cfg(save_states=save_states, prefetch=False).replace(bwd_layers=True)
@@ -472,10 +476,7 @@ def test_gpu_forward_backward(dtype, K, V, normalize, poison):
     q, k, v = rand_qkv(B, T, H, K, V, seed=K + V, scale=0.15, positive=normalize, device="cuda", dtype=dtype)
     g = rand_gates(B, T, H, seed=3, strength=0.01, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(4)
-    st0 = AHLAState(0.1 * torch.randn(B, H, K, V, device="cuda", generator=gen),
-                    0.1 * torch.randn(B, H, K, V, device="cuda", generator=gen),
-                    0.1 * torch.rand(B, H, K, device="cuda", generator=gen) if normalize else None,
-                    0.1 * torch.rand(B, H, K, device="cuda", generator=gen) if normalize else None)
+    st0 = _state0(B, H, K, V, normalize, gen, scale=0.1)
     do = torch.randn(B, T, H, V, device="cuda", generator=gen)
     leaves = [x.clone().requires_grad_() for x in (q, k, v, g)]
     parts = [None if x is None else x.clone().requires_grad_() for x in st0]
@@ -506,10 +507,7 @@ def test_gpu_forward_of_chunks_of_128(dtype, normalize, poison):
     q, k, v = rand_qkv(B, T, H, K, V, seed=21, scale=0.15, positive=normalize, device="cuda", dtype=dtype)
     g = rand_gates(B, T, H, seed=22, strength=0.01, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(23)
-    st0 = AHLAState(0.1 * torch.randn(B, H, K, V, device="cuda", generator=gen),
-                    0.1 * torch.randn(B, H, K, V, device="cuda", generator=gen),
-                    0.1 * torch.rand(B, H, K, device="cuda", generator=gen) if normalize else None,
-                    0.1 * torch.rand(B, H, K, device="cuda", generator=gen) if normalize else None)
+    st0 = _state0(B, H, K, V, normalize, gen, scale=0.1)
     assert chunk.ahla_config(B, T, H, K, V, dtype, torch.device("cuda"), 128).fwd_chunk == 128
     o, st = hla_fast.ahla(q, k, v, g=g, normalize=normalize, initial_state=st0, output_final_state=True,
                           chunk_size=128)
