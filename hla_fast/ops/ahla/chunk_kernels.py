@@ -799,15 +799,10 @@ def ahla_bwd_layer_kernel(
     mk = rk < K
     t = i_c * BT + rt
     mt = t < T
-    # -- the chunk's key tiles and decay factors ------------------------------------------------
-    b_q = load_rows(q + off_k, t, mt, rk, mk, H * K, IS_BF16)                     # Q   [BT, BK]
-    b_qt = load_cols(q + off_k, t, mt, rk, mk, H * K, IS_BF16)                    # Q^T [BK, BT]
-    b_k = load_rows(k + off_k, t, mt, rk, mk, H * K, IS_BF16)                     # K   [BT, BK]
-    beta = chunk_beta(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
-    G, g1, g2, gl, gC, bL = chunk_decays(beta, mt, BT, HAS_DECAY)
-    GT = chunk_decays_t(beta, BT, HAS_DECAY)
-    b_at = tl.where(GT > 0, tl.dot(b_k, b_qt, input_precision=PREC) * GT, 0.0)   # A^T [BT, BT]
-    b_kg = b_k * gl[:, None]                                                      # Kg  [BT, BK]
+    # -- the chunk's key tiles and decay factors (those of the coupled kernel; this one uses Q, K,
+    #    Kg, A^T and the factors, and the compiler drops the rest) --------------------------------
+    b_q, b_qgt, b_k, b_kg, b_kgt, b_a, b_at, G, GT, g1, gl = _chunk_key_tiles(
+        q, k, g, off_k, off_g, log_gamma, t, mt, rk, mk, H, K, BT, HAS_G, HAS_DECAY, IS_BF16, PREC)
     # -- sums over the value blocks ----------------------------------------------------------
     b_dm = tl.zeros([BT, BT], dtype=tl.float32)                                   # dY X^T
     b_dmt = tl.zeros([BT, BT], dtype=tl.float32)                                  # X dY^T
