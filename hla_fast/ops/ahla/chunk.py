@@ -141,20 +141,18 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
         fwd_chunk = chunk_size
     block_v = min(64, pow2_block(V, min_value_block(device)))
     bwd_warps = 4 if BK <= 64 else 8
-    fwd_warps = 4 if BK <= 64 or (BK <= 128 and (layers or not training) and bf16) else 8
-    wide_long = bf16 and BK > 64 and fwd_chunk >= 128   # a forward of chunks of 128 with wide keys
-    if wide_long:
-        fwd_warps = 8
+    wide_long = bf16 and BK > 64 and fwd_chunk >= 128   # a forward of chunks of 128 with wide keys: 8 warps
+    fwd_warps = 4 if BK <= 64 or (BK <= 128 and (layers or not training) and bf16 and not wide_long) else 8
     fwd_seg = bwd_seg = 1
     if K <= SEGMENT_MAX_K:
         # key tiles of 128 count one program a multiprocessor whatever the warps: the 4-warp forward
         # in two segments took 4.85 ms, in one 2.34 (a summary holds a 128 x 128 fp32 tile)
         per_sm = 2 if BK <= 64 else 1
         fwd_seg = one_wave_segments(cdiv(V, block_v) * B * H, cdiv(T, fwd_chunk), device, per_sm, MIN_SEGMENT_CHUNKS)
-        bwd_bv = bwd_blocks(K, V, device)[1]
-        bwd_seg = one_wave_segments(cdiv(V, bwd_bv) * B * H, cdiv(T, bwd_chunk), device, per_sm, MIN_SEGMENT_CHUNKS)
-    if layers:
-        bwd_seg = 1
+        if not layers:   # the layered backward walks each layer whole
+            bwd_bv = bwd_blocks(K, V, device)[1]
+            bwd_seg = one_wave_segments(cdiv(V, bwd_bv) * B * H, cdiv(T, bwd_chunk), device, per_sm,
+                                        MIN_SEGMENT_CHUNKS)
     return ChunkConfig(fwd_chunk=fwd_chunk, bwd_chunk=bwd_chunk, fwd_segments=fwd_seg, bwd_segments=bwd_seg,
                        fwd_warps=fwd_warps, bwd_warps=bwd_warps, fwd_block_v=block_v, grad_parts=(7,),
                        save_states=fwd_chunk == bwd_chunk, bf16_snapshots=True,
