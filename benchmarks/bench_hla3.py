@@ -113,9 +113,13 @@ def time_pair(row, name, fn, inputs, do):
 
 def variant_changes(base, K):
     """Layouts timed against the default ``base`` (a ChunkConfig) for K-wide keys: the segment
-    counts of each walk around the rule's, the other warp count, and both passes on the other
-    chunk sizes that fit (chunks of 64 only up to K = 64: wider, the tiles overflow shared memory)."""
+    counts of each walk around the rule's, the other warp count, both passes on the other chunk
+    sizes that fit (chunks of 64 only up to K = 64: wider, the tiles overflow shared memory), and
+    each pass's loads pipelined one or two stages deep, whichever the rule does not take."""
     out = {"default": {}}
+    for field in ("fwd_stages", "bwd_stages"):
+        other = 1 if getattr(base, field) > 1 else 2
+        out[f"{field}={other}"] = {field: other}
     for field in ("fwd_segments", "bwd_segments"):
         n = getattr(base, field)
         for s in sorted({1, 2, n * 2, n * 4, max(1, n // 2)} - {n}):
@@ -293,6 +297,8 @@ def main():
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--dims", default=None, help="comma list of K=V head sizes (default 64,128; 16,32 with --cpu-smoke)")
     ap.add_argument("--Ts", default=None, help="comma list of sequence lengths (default 1024..32768; 64,128 with --cpu-smoke)")
+    ap.add_argument("--variants", default=None,
+                    help="comma list of the variants section's layouts to time (default: all), e.g. default,fwd_stages=1")
     ap.add_argument("--first-call-timeout", type=float, default=300.0)
     # the first-call child (internal)
     ap.add_argument("--first-call-child", action="store_true", help=argparse.SUPPRESS)
@@ -379,11 +385,18 @@ def main():
     if "variants" in chosen:
         res["variants"] = []
         T = Ts[-1]
+        if args.variants:
+            known = {n for D in Ds for n in variant_changes(hla_fast.hla3_config(B, T, H, D, D, torch.bfloat16, DEVICE), D)}
+            unknown = sorted(set(args.variants.split(",")) - known)
+            if unknown:
+                ap.error(f"--variants: unknown layouts {unknown}; known: {', '.join(sorted(known))}")
         for D in Ds:
             q, k, v = make_inputs(B, T, H, D, D)
             do = torch.randn_like(v)
             base = hla_fast.hla3_config(B, T, H, D, D, q.dtype, q.device)
             for name, changes in variant_changes(base, D).items():
+                if args.variants and name not in args.variants.split(","):
+                    continue
                 row = {"T": T, "K": D, "variant": name, "changes": changes}
                 try:
                     cfg = base.replace(**changes)

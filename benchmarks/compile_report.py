@@ -44,6 +44,7 @@ from config_arg import HELP, config_changes  # noqa: E402
 OPS = ("hla2", "ahla", "hla3")
 SMS = 132  # multiprocessors of an H200
 TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
+ALIGNED = [["tt.divisibility", 16]]   # the attribute the JIT gives an aligned pointer or an int divisible by 16
 
 
 def hopper_launchers(op):
@@ -84,7 +85,7 @@ def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, 
     gamma = None if gates else 0.999
     save = cfg.save_states and cfg.fwd_chunk == cfg.bwd_chunk and not forward_only
     common = dict(chunk=cfg.fwd_chunk, segments=cfg.fwd_segments, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v,
-                  launch=rec)
+                  stages=cfg.fwd_stages, launch=rec)
     if op == "hla2":
         snap = chunk._snapshot_dtype(cfg, dtype) if save else None
         cs = chunk.fwd_launch(q, k, v, g, gamma, None, None, None, snapshots=snap, **common)[5]
@@ -132,7 +133,10 @@ def has_cuda_compiler() -> bool:
 def hopper_compile(kernel, kw):
     """Compile the launch ``kernel[grid](**kw)`` (a recorded one) for sm_90: the kernel's
     ``triton.heuristics`` applied, tensors (or their recorded ``TensorArg``) typed by dtype, None
-    and constexprs specialized.
+    and constexprs specialized, and the other arguments specialized as Triton's JIT does at a
+    launch (but for ``do_not_specialize``): pointers 16-byte aligned, integers equal to 1 as
+    constants, integers divisible by 16 marked so. Without those marks the compiler cannot widen
+    the loads nor pipeline a loop's loads (``num_stages``), and the counts would not be the GPU's.
     Returns (the CompiledKernel, num_warps)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -144,7 +148,8 @@ def hopper_compile(kernel, kw):
     for name, rule in kernel.values.items():   # the triton.heuristics of the kernel
         args[name] = rule(args)
     fn = kernel.fn
-    sig, consts = {}, {}
+    loose = set(getattr(fn, "do_not_specialize", None) or ())
+    sig, consts, attrs = {}, {}, {}
     for i, p in enumerate(fn.params):
         x = args.get(p.name, p.default)
         if p.is_constexpr or x is None:
@@ -152,9 +157,19 @@ def hopper_compile(kernel, kw):
             consts[(i,)] = x
         elif isinstance(x, (torch.Tensor, TensorArg)):
             sig[p.name] = TYPES[x.dtype]
+            attrs[(i,)] = ALIGNED      # a fresh torch allocation: 16-byte aligned, as the JIT finds it
+        elif isinstance(x, float):
+            sig[p.name] = "fp32"
+        elif p.name in loose or i in loose:
+            sig[p.name] = "i32"
+        elif x == 1:                   # the JIT compiles an int argument equal to 1 as a constant
+            sig[p.name] = "constexpr"
+            consts[(i,)] = 1
         else:
-            sig[p.name] = "fp32" if isinstance(x, float) else "i32"
-    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+            sig[p.name] = "i32"
+            if x % 16 == 0:            # and marks one divisible by 16
+                attrs[(i,)] = ALIGNED
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=options)
     return compiled, options["num_warps"]
 

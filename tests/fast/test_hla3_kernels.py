@@ -300,6 +300,24 @@ def test_config_rule():
     assert (c.fwd_chunk, c.bwd_chunk, c.fwd_block_v, c.fwd_warps, c.save_states) == (32, 32, 64, 8, True)
     c = hla_fast.hla3_config(1, 100, 1, 16, 20, torch.float32, cpu, chunk_size=16)
     assert (c.fwd_chunk, c.bwd_chunk, c.fwd_block_v) == (16, 16, 32)
+    assert (c.fwd_stages, c.bwd_stages) == (1, 1)
+
+
+def test_config_rule_pipelines_the_bf16_forward(monkeypatch):
+    """On a GPU the rule pipelines the forward's loads two stages deep for bf16 key tiles up to
+    64 wide (hla3_h200_stages_ab.md), not wider ones nor fp32, and never the backward's."""
+    from hla_fast.ops.common import launch
+    from hla_fast.ops.hla3 import chunk
+
+    monkeypatch.setattr(launch, "interpreter_on", lambda: False)
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)   # an H200's multiprocessors
+    monkeypatch.setattr(chunk, "bf16_dots", lambda dtype: dtype == torch.bfloat16)
+    cuda = torch.device("cuda")
+    rule = chunk.hla3_config.__wrapped__
+    for K, dtype, stages in ((64, torch.bfloat16, 2), (48, torch.bfloat16, 2), (128, torch.bfloat16, 1),
+                             (64, torch.float32, 1)):
+        c = rule(4, 32768, 16, K, K, dtype, cuda)
+        assert (c.fwd_stages, c.bwd_stages) == (stages, 1), (K, dtype, c)
     with pytest.raises(TypeError, match="config must be a ChunkConfig"):
         hla_fast.hla3(*rand_qkv(1, 4, 1, 8, 8), backend="torch", config={"fwd_chunk": 16})
 
@@ -388,7 +406,8 @@ for case, (B, T, H, K, V, dtype, kernels, segmented) in enumerate(json.loads(sys
     s0, p0, f0 = (torch.zeros(s) for s in [(B, H, K, K), (B, H, K, V), (B, H, K, V)])
     del rec.launches[:]
     cs = chunk.hla3_fwd(q, k, v, g, None, s0, p0, f0, chunk=cfg.fwd_chunk, warps=cfg.fwd_warps,
-                        block_v=cfg.fwd_block_v, segments=cfg.fwd_segments, snapshots=cfg.save_states, launch=rec)[4]
+                        block_v=cfg.fwd_block_v, segments=cfg.fwd_segments, stages=cfg.fwd_stages,
+                        snapshots=cfg.save_states, launch=rec)[4]
     chunk.hla3_bwd(q, k, v, torch.zeros_like(v), g, None, s0, p0, f0, s0, p0, f0, cfg, states=cs, want_db=True,
                    launch=rec)
     seen = set()

@@ -139,7 +139,9 @@ def test_flags_and_numbers(op, device):
 def test_config_fields_are_checked():
     cfg = hla_fast.ChunkConfig()
     for field, bad in [("fwd_chunk", 48), ("bwd_chunk", True), ("fwd_segments", 0), ("bwd_warps", 3),
-                       ("fwd_block_v", 24), ("grad_parts", (1, 2)), ("grad_parts", (3, 6)), ("grad_parts", [7])]:
+                       ("fwd_block_v", 24), ("grad_parts", (1, 2)), ("grad_parts", (3, 6)), ("grad_parts", [7]),
+                       ("fwd_stages", 0), ("fwd_stages", 5), ("bwd_stages", True), ("bwd_stages", 2.0),
+                       ("fwd_chunk", 64.0), ("fwd_warps", 4.0)]:
         with pytest.raises(ValueError, match=f"config.{field}"):
             cfg.replace(**{field: bad})
     with pytest.raises(TypeError, match="config.save_states"):
@@ -178,6 +180,46 @@ def test_prefetch_only_where_the_operator_has_it(op, device):
 
 
 @OPS
+def test_stages_reach_the_launches(op, device):
+    """config.fwd_stages / bwd_stages: every operator's forward launches (walk, summaries) and
+    backward launches take them as Triton's num_stages, and the results do not depend on them."""
+    from hla_fast.ops.common.compile import Recorder
+
+    q, k, v = _qkv(T=40, device=device)   # three chunks of 16: two segments
+    cfg = hla_fast.ChunkConfig(fwd_chunk=16, bwd_chunk=16, fwd_block_v=16, fwd_segments=2, bwd_segments=2,
+                               grad_parts=(7,))
+    chunk = __import__(f"hla_fast.ops.{op.name}.chunk", fromlist=["chunk"])
+    fwd_name = {"hla2": "hla2_fwd_kernel", "ahla": "ahla_fwd_kernel", "hla3": "hla3_fwd_kernel"}[op.name]
+    outs = []
+    for fs, bs in ((1, 1), (3, 2)):
+        rec = Recorder()
+        c = cfg.replace(fwd_stages=fs, bwd_stages=bs)
+        q_, k_, v_ = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        o, _ = op.op(q_, k_, v_, gamma=0.9, backend="triton", config=c)
+        o.sum().backward()
+        outs.append((o, q_.grad, k_.grad, v_.grad))
+        rec_args = dict(chunk=16, warps=4, block_v=16, segments=2, stages=fs, launch=rec)
+        if op.name == "hla3":
+            chunk.hla3_fwd(q, k, v, None, 0.9, None, None, None, **rec_args)
+        elif op.name == "ahla":
+            chunk.fwd_launch(q, k, v, None, 0.9, None, None, None, None, **rec_args)
+        else:
+            chunk.fwd_launch(q, k, v, None, 0.9, None, None, None, **rec_args)
+        walks = [kw["num_stages"] for kern, _, kw in rec.launches if kern.fn.__name__ in (fwd_name, fwd_name.replace(
+            "fwd_kernel", "fwd_summary_kernel"))]
+        assert len(walks) == 2 and set(walks) == {fs}
+        rec = Recorder()
+        chunk_bwd = chunk.hla3_bwd if op.name == "hla3" else chunk.bwd_launch
+        extra = (None, None) if op.name == "hla3" else ()
+        chunk_bwd(q, k, v, torch.ones_like(v), None, 0.9, None, None, *extra, None, None, c, launch=rec)
+        stages = {kern.fn.__name__: kw.get("num_stages") for kern, _, kw in rec.launches}
+        assert stages[fwd_name] == bs   # the backward's recomputing walk
+        assert all(s == bs for name, s in stages.items() if "fold" not in name), stages
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@OPS
 def test_layered_backward_only_where_the_operator_has_it(op, device):
     """config.bwd_layers: AHLA's backward as two first-order layers; the others refuse it, and
     AHLA refuses it beside the coupled walk's own fields (segments, pieces, loading ahead)."""
@@ -186,7 +228,7 @@ def test_layered_backward_only_where_the_operator_has_it(op, device):
     if op.name == "ahla":
         o, _ = op.op(q, k, v, backend="triton", config=cfg)
         assert o.shape == v.shape
-        for bad in ({"bwd_segments": 2}, {"bwd_pieces": 2}, {"bwd_prefetch": True}):
+        for bad in ({"bwd_segments": 2}, {"bwd_pieces": 2}, {"bwd_prefetch": True}, {"bwd_stages": 2}):
             with pytest.raises(ValueError, match=r"layered backward \(config.bwd_layers\) walks each layer whole"):
                 op.op(q, k, v, backend="triton", config=cfg.replace(**bad))
     else:

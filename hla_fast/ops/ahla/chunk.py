@@ -94,7 +94,7 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     * a bf16 forward of chunks of 128 (``chunk_size=128``) with key tiles of 128 runs in 8 warps
       without loading ahead: 2.35 ms against 2.67 for the default chunks of 64 in 4 warps
       (K = V = 128, T = 32k, ``ahla_h200_fwd_chunks.md``; in 4 warps, or loading ahead, an sm_90
-      compile spills 3.4 and 2.9 KB of registers a thread, against 0.56 KB:
+      compile spills 1.5 and 0.8 KB of registers a thread, against 0.24 KB:
       ``compile_ahla_bf16_k128_fwd_chunk128_{w4,w8_prefetch,w8}_cpu.md``);
     * 4 warps for key tiles up to 64 wide, 8 above; but a bf16 inference forward (chunks of 64)
       at key tiles of 128 takes 4 (2.34 against 2.73 ms at K = V = 128);
@@ -118,7 +118,7 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
       ``ahla_h200_prefetch.md``, T = 32k): the forward's at K = V = 64 (0.881 against 0.962 ms)
       and in 8 warps, the backward's in 8 warps (forward + backward at K = V = 128: 17.2 against
       19.5 ms); not the 4-warp backward walks of K = V = 64 (3.57 against 3.45 ms) nor the 4-warp
-      forward of key tiles of 128, whose prefetched tiles spill 2.7 KB of registers a thread (5.06
+      forward of key tiles of 128, whose prefetched tiles triple its register spills (5.06
       against 2.50 ms). fp32 and fp16 tiles take twice the registers; they were not measured.
     Off CUDA (the interpreter) every walk is one segment. The result is immutable, so it is cached
     per shape.
@@ -194,10 +194,11 @@ def _check_config(cfg: ChunkConfig, K: int):
     if K > SEGMENT_MAX_K and (cfg.fwd_segments != 1 or cfg.bwd_segments != 1):
         raise ValueError(f"ahla runs keys wider than {SEGMENT_MAX_K} (K={K}) in one segment: config.fwd_segments "
                          f"and config.bwd_segments must be 1, got {cfg.fwd_segments} and {cfg.bwd_segments}")
-    if cfg.bwd_layers and (cfg.bwd_segments != 1 or cfg.bwd_pieces != 1 or cfg.bwd_prefetch):
-        raise ValueError(f"ahla's layered backward (config.bwd_layers) walks each layer whole: config.bwd_segments "
-                         f"and config.bwd_pieces must be 1 and config.bwd_prefetch False, got {cfg.bwd_segments}, "
-                         f"{cfg.bwd_pieces} and {cfg.bwd_prefetch}")
+    if cfg.bwd_layers and (cfg.bwd_segments != 1 or cfg.bwd_pieces != 1 or cfg.bwd_prefetch or cfg.bwd_stages != 1):
+        raise ValueError(f"ahla's layered backward (config.bwd_layers) walks each layer whole with its own pipelining: "
+                         f"config.bwd_segments, config.bwd_pieces and config.bwd_stages must be 1 and "
+                         f"config.bwd_prefetch False, got {cfg.bwd_segments}, {cfg.bwd_pieces}, {cfg.bwd_stages} and "
+                         f"{cfg.bwd_prefetch}")
 
 
 def _snapshot_dtype(cfg: ChunkConfig, dtype: torch.dtype) -> torch.dtype:
@@ -221,7 +222,7 @@ def _common(q, gamma, g):
 
 
 def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, segments=1, prefetch=False,
-               outputs=True, normalize=False, eps=0.0, store_final=True, snapshots=None, keep_r=False,
+               stages=1, outputs=True, normalize=False, eps=0.0, store_final=True, snapshots=None, keep_r=False,
                launch=launch_kernel):
     """Run the forward walk (after the segment summaries and fold when ``segments > 1``).
 
@@ -230,6 +231,7 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
     without them). outputs: compute o (else only states). normalize: carry (p, e) and divide by
     (den + eps). snapshots: None, or the dtype to store every chunk-start state (P, E) in.
     prefetch: the walks load each next chunk's tiles ahead (``ChunkConfig.fwd_prefetch``).
+    stages: the compiler pipelines the walks' loads this deep (``ChunkConfig.fwd_stages``).
     keep_r: with snapshots, also keep the first order's output R [B, T, H, V] (v's dtype) for the
     layered backward.
     Returns (o [B, T, H, V] or None, den [B, T, H] fp32 or None, P_T, E_T, p_T or None,
@@ -242,7 +244,7 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
     NV, NT = cdiv(V, BV), cdiv(T, chunk)
     NS, nseg = split_segments(NT, segments)
     flags, lg = _common(q, gamma, g)
-    kw = dict(H=H, K=K, V=V, BT=chunk, BK=BK, BV=BV, num_warps=warps, num_stages=1, **flags)
+    kw = dict(H=H, K=K, V=V, BT=chunk, BK=BK, BV=BV, num_warps=warps, num_stages=stages, **flags)
     walk = dict(kw, PREFETCH=prefetch)
     if normalize and p0 is not None:
         pn0 = torch.zeros(B, H, K, device=dev, dtype=f32) if pn0 is None else pn0
@@ -305,14 +307,14 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
     snap = _snapshot_dtype(cfg, q.dtype)
     if states is None or states[0].dtype != snap or (cfg.bwd_layers and states[2] is None):
         states = fwd_launch(q, k, v, g, gamma, p0, e0, None, None, chunk=BT, warps=nw, block_v=cfg.fwd_block_v,
-                            segments=cfg.fwd_segments, prefetch=cfg.fwd_prefetch, outputs=False, store_final=False,
-                            snapshots=snap, keep_r=cfg.bwd_layers, launch=launch)[6]
+                            segments=cfg.fwd_segments, prefetch=cfg.fwd_prefetch, stages=cfg.bwd_stages, outputs=False,
+                            store_final=False, snapshots=snap, keep_r=cfg.bwd_layers, launch=launch)[6]
     do = do.contiguous()
     if cfg.bwd_layers:
         return _bwd_layers(q, k, v, do, g, gamma, p0, dht_p, dht_e, cfg, states, want_db, launch)
     cs_p, cs_e = states[:2]
     flags, lg = _common(q, gamma, g)
-    common = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, num_warps=nw, num_stages=1, **flags)
+    common = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, num_warps=nw, num_stages=cfg.bwd_stages, **flags)
     has_dht = dht_p is not None or dht_e is not None
     if has_dht:
         dht_p = torch.zeros(B, H, K, V, device=dev, dtype=f32) if dht_p is None else dht_p.float().contiguous()
@@ -422,7 +424,7 @@ def ahla_fwd(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg: ChunkConf
     save = keep_states and not normalize and cfg.fwd_chunk == cfg.bwd_chunk
     o, den, PT, ET, pT, eT, cs = fwd_launch(
         q, k, v, g, gamma, p0, e0, pn0, en0, chunk=cfg.fwd_chunk, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v,
-        segments=cfg.fwd_segments, prefetch=cfg.fwd_prefetch, normalize=normalize, eps=eps,
+        segments=cfg.fwd_segments, prefetch=cfg.fwd_prefetch, stages=cfg.fwd_stages, normalize=normalize, eps=eps,
         snapshots=_snapshot_dtype(cfg, q.dtype) if save else None, keep_r=cfg.bwd_layers, launch=launch)
     cs = (None, None, None) if cs is None else cs
     return (o, den, PT, ET, pT, eT) + cs

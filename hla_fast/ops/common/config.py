@@ -11,6 +11,7 @@ import dataclasses
 
 _CHUNKS = (16, 32, 64, 128)
 _WARPS = (1, 2, 4, 8, 16)
+_STAGES = (1, 2, 3, 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +22,11 @@ class ChunkConfig:
     fwd_segments, bwd_segments: how many pieces of the sequence are walked in parallel (their
         summaries folded into each piece's start state first); 1 walks the whole sequence.
     fwd_warps, bwd_warps: warps per program.
+    fwd_stages, bwd_stages: how deep the compiler pipelines the loads of the forward's kernels
+        (its walks, their segment summaries) and of the backward's (Triton's ``num_stages``): with
+        more than 1 a walk copies its next chunks' tiles into shared memory while it computes the
+        current one, at the cost of that memory; 1 loads each chunk when its turn comes. Unlike
+        ``*_prefetch`` the tiles wait in shared memory, not in registers.
     fwd_block_v: value columns per forward program (a power of two >= 16; the launch takes no
         fewer than the device's ``common.launch.min_value_block``, 64 on CUDA).
     grad_parts: launches of the per-chunk gradient kernel, each a mask of the gradients it
@@ -50,6 +56,8 @@ class ChunkConfig:
     bwd_segments: int = 1
     fwd_warps: int = 4
     bwd_warps: int = 4
+    fwd_stages: int = 1
+    bwd_stages: int = 1
     fwd_block_v: int = 64
     grad_parts: tuple = (1, 6)
     save_states: bool = True
@@ -62,7 +70,7 @@ class ChunkConfig:
     def __post_init__(self):
         for name in ("fwd_chunk", "bwd_chunk"):
             x = getattr(self, name)
-            if isinstance(x, bool) or x not in _CHUNKS:
+            if type(x) is not int or x not in _CHUNKS:
                 raise ValueError(f"config.{name} must be one of {_CHUNKS}, got {x!r}")
         for name in ("fwd_segments", "bwd_segments", "bwd_pieces"):
             x = getattr(self, name)
@@ -70,8 +78,12 @@ class ChunkConfig:
                 raise ValueError(f"config.{name} must be an int >= 1, got {x!r}")
         for name in ("fwd_warps", "bwd_warps"):
             x = getattr(self, name)
-            if isinstance(x, bool) or x not in _WARPS:
+            if type(x) is not int or x not in _WARPS:
                 raise ValueError(f"config.{name} must be one of {_WARPS}, got {x!r}")
+        for name in ("fwd_stages", "bwd_stages"):
+            x = getattr(self, name)
+            if type(x) is not int or x not in _STAGES:
+                raise ValueError(f"config.{name} must be one of {_STAGES}, got {x!r}")
         bv = self.fwd_block_v
         if isinstance(bv, bool) or not isinstance(bv, int) or bv < 16 or bv & (bv - 1):
             raise ValueError(f"config.fwd_block_v must be a power of two >= 16, got {bv!r}")

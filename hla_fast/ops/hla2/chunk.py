@@ -153,7 +153,7 @@ def _common(q, gamma, g):
                 PREC=dot_precision(q.dtype)), log_gamma(gamma) if g is None else 0.0
 
 
-def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v, q2=None, k2=None,
+def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v, q2=None, k2=None, stages=1,
                outputs=True, normalize=False, eps=0.0, store_final=True, snapshots=None, launch=launch_kernel):
     """Run the forward walk (after the segment summaries and fold when ``segments > 1``).
 
@@ -171,7 +171,7 @@ def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v
     NV, NT = cdiv(V, BV), cdiv(T, chunk)
     NS, nseg = split_segments(NT, segments)
     flags, lg = _common(q, gamma, g)
-    kw = dict(H=H, K=K, K2=K2, V=V, BT=chunk, BK=BK, BV=BV, num_warps=warps, num_stages=1, **flags)
+    kw = dict(H=H, K=K, K2=K2, V=V, BT=chunk, BK=BK, BV=BV, num_warps=warps, num_stages=stages, **flags)
     h0 = (s0, w0, z0 if normalize else None)
     if s0 is not None and normalize and z0 is None:
         h0 = (s0, w0, torch.zeros(B, H, K, device=dev, dtype=f32))
@@ -252,12 +252,12 @@ def bwd_launch(q, k, v, do, g, gamma, s0, w0, dht_s, dht_w, cfg: ChunkConfig, *,
     snap = _snapshot_dtype(cfg, q.dtype)
     if states is None or states[0].dtype != snap:
         states = fwd_launch(q, k, v, g, gamma, s0, w0, None, chunk=BT, segments=cfg.fwd_segments, warps=nw,
-                            block_v=cfg.fwd_block_v, q2=q2, k2=k2, outputs=False, store_final=False,
-                            snapshots=snap, launch=launch)[5]
+                            block_v=cfg.fwd_block_v, q2=q2, k2=k2, stages=cfg.bwd_stages, outputs=False,
+                            store_final=False, snapshots=snap, launch=launch)[5]
     cs_s, cs_w = states
     do = do.contiguous()
     flags, lg = _common(q, gamma, g)
-    common = dict(H=H, K=K, K2=K2, V=V, BT=BT, BK=BK, BV=BV, num_warps=nw, num_stages=1, **flags)
+    common = dict(H=H, K=K, K2=K2, V=V, BT=BT, BK=BK, BV=BV, num_warps=nw, num_stages=cfg.bwd_stages, **flags)
     has_dht = dht_s is not None or dht_w is not None
     if has_dht:
         dht_s = torch.zeros(B, H, K, K2, device=dev, dtype=f32) if dht_s is None else dht_s.float().contiguous()
@@ -339,7 +339,8 @@ class HLA2ChunkFunction(torch.autograd.Function):
         snap = _snapshot_dtype(cfg, q.dtype) if save else None
         o, den, sT, wT, zT, cs = fwd_launch(
             q, k, v, g, gamma, s0, w0, z0, chunk=cfg.fwd_chunk, segments=cfg.fwd_segments, warps=cfg.fwd_warps,
-            block_v=cfg.fwd_block_v, q2=q2, k2=k2, normalize=normalize, eps=eps, snapshots=snap, launch=launch)
+            block_v=cfg.fwd_block_v, q2=q2, k2=k2, stages=cfg.fwd_stages, normalize=normalize, eps=eps,
+            snapshots=snap, launch=launch)
         cs = (None, None) if cs is None else cs
         # the final state is read back only for the log-gates' gradient (its own factor e^{b_T})
         final = (sT, wT, zT) if g is not None and ctx.needs_input_grad[5] else (None, None, None)

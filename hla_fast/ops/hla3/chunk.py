@@ -81,7 +81,7 @@ def hla3_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     * chunks of at most 32 in both passes, the forward keeping its chunk-start states for the
       backward. At K = V = 64 in bf16 chunks of 32 beat 64 and 16 in the forward and in forward +
       backward (the layouts table; hla_fast/README.md quotes it): the per-chunk gradient program
-      holds about twenty [BT, BT] and [BT, BK] tiles and spills a quarter as much on chunks of 32
+      holds about twenty [BT, BT] and [BT, BK] tiles and spills half as much on chunks of 32
       (by ptxas -v, benchmarks/compile_report.py). Wider heads and inputs other than bf16 (their dot
       operands are fp32) need chunks of 32 anyway: shared memory, 227 KB a program on Hopper, bounds
       the tiles (the fp32 gradient program on chunks of 64 at K = 64 asks for 288 KB). The states
@@ -90,15 +90,22 @@ def hla3_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     * 4 warps for tiles up to 64 x 64, 8 above;
     * segments of the forward and of the backward walk: as many as keep every program in one
       wave (two 4-warp programs or one 8-warp program a multiprocessor), at least
-      MIN_SEGMENT_CHUNKS chunks each (1 off CUDA).
+      MIN_SEGMENT_CHUNKS chunks each (1 off CUDA);
+    * the forward's loads pipelined two stages deep (``fwd_stages``) for bf16 key tiles up to 64
+      wide: each next chunk's tiles are copied into shared memory while the current one is
+      computed: 3.23 against 3.84 ms forward at K = V = 64, T = 32k, forward + backward 28.9
+      against 28.7 (benchmarks/results/hla3_h200_stages_ab.md). The backward keeps one stage;
+      wider tiles and fp32 ones were not measured.
     The result is immutable, so it is cached."""
     fwd_chunk = bwd_chunk = min(chunk_size, 32)
     block_v = min(64, pow2_block(V, min_value_block(device)))
     warps = 4 if pow2_block(K, min_key_block(device)) <= 64 and block_v <= 64 else 8
     per_sm = 2 if warps == 4 else 1
     seg = one_wave_segments(cdiv(V, block_v) * B * H, cdiv(T, fwd_chunk), device, per_sm, MIN_SEGMENT_CHUNKS)
+    stages = 2 if bf16_dots(dtype) and pow2_block(K, min_key_block(device)) <= 64 else 1
     return ChunkConfig(fwd_chunk=fwd_chunk, bwd_chunk=bwd_chunk, fwd_segments=seg, bwd_segments=seg,
-                       fwd_warps=warps, bwd_warps=warps, fwd_block_v=block_v, save_states=True, bf16_snapshots=False)
+                       fwd_warps=warps, bwd_warps=warps, fwd_block_v=block_v, save_states=True, bf16_snapshots=False,
+                       fwd_stages=stages)
 
 
 def _tiles(q, v, block_v):
@@ -119,8 +126,8 @@ def _flags(q, gamma, g):
             log_gamma(gamma) if g is None else 0.0)
 
 
-def hla3_fwd(q, k, v, g, gamma, s0, p0, f0, *, chunk, warps, block_v, segments=1, outputs=True, store_final=True,
-             snapshots=False, o_dtype=None, launch=launch_kernel):
+def hla3_fwd(q, k, v, g, gamma, s0, p0, f0, *, chunk, warps, block_v, segments=1, stages=1, outputs=True,
+             store_final=True, snapshots=False, o_dtype=None, launch=launch_kernel):
     """The forward walk of the unnormalized operator.
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] or None; all contiguous. s0 [B, H, K, K],
@@ -136,7 +143,8 @@ def hla3_fwd(q, k, v, g, gamma, s0, p0, f0, *, chunk, warps, block_v, segments=1
     NT = cdiv(T, chunk)
     NS, nseg = split_segments(NT, segments)
     flags, lg = _flags(q, gamma, g)
-    kw = dict(log_gamma=lg, T=T, NS=NS, H=H, K=K, V=V, BT=chunk, BK=BK, BV=BV, num_warps=warps, num_stages=1, **flags)
+    kw = dict(log_gamma=lg, T=T, NS=NS, H=H, K=K, V=V, BT=chunk, BK=BK, BV=BV, num_warps=warps, num_stages=stages,
+              **flags)
     h0 = (s0, p0, f0)
     if nseg > 1:
         # -- every segment's summary from a zero state, then every segment's start state ----------
@@ -191,12 +199,13 @@ def hla3_bwd(q, k, v, do, g, gamma, s0, p0, f0, dsT, dpT, dfT, cfg: ChunkConfig,
     NT = cdiv(T, BT)
     if states is None:
         states = hla3_fwd(q, k, v, g, gamma, s0, p0, f0, chunk=BT, warps=nw, block_v=cfg.fwd_block_v,
-                          segments=cfg.fwd_segments, outputs=False, store_final=False, snapshots=True,
-                          launch=launch)[4]
+                          segments=cfg.fwd_segments, stages=cfg.bwd_stages, outputs=False, store_final=False,
+                          snapshots=True, launch=launch)[4]
     cs_s, cs_p, cs_f = states
     do = do.contiguous()
     flags, lg = _flags(q, gamma, g)
-    common = dict(log_gamma=lg, T=T, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, num_warps=nw, num_stages=1, **flags)
+    common = dict(log_gamma=lg, T=T, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, num_warps=nw, num_stages=cfg.bwd_stages,
+                  **flags)
     has_dht = any(x is not None for x in (dsT, dpT, dfT))
     de = (None, None, None)
     if has_dht:
@@ -277,8 +286,8 @@ class HLA3ChunkFunction(torch.autograd.Function):
         grads = any(ctx.needs_input_grad[:7])
         save = grads and cfg.save_states and cfg.fwd_chunk == cfg.bwd_chunk
         o, sT, pT, fT, cs = hla3_fwd(q, k, v, g, gamma, s0, p0, f0, chunk=cfg.fwd_chunk, warps=cfg.fwd_warps,
-                                     block_v=cfg.fwd_block_v, segments=cfg.fwd_segments, snapshots=save,
-                                     o_dtype=o_dtype, launch=launch)
+                                     block_v=cfg.fwd_block_v, segments=cfg.fwd_segments, stages=cfg.fwd_stages,
+                                     snapshots=save, o_dtype=o_dtype, launch=launch)
         cs = (None, None, None) if cs is None else cs
         # the final state is read back only for the log-gates' gradient (its own factor e^{b_T})
         final = (sT, pT, fT) if g is not None and ctx.needs_input_grad[3] else (None, None, None)
