@@ -62,7 +62,8 @@ def load(name):
                                           ("compile_report", "compile_ahla_bf16_k128_fwd_cpu"),
                                           ("compile_report", "compile_ahla_bf16_k128_fwd_prefetch_cpu"),
                                           ("bench_hla3", "hla3_h200_stages"),
-                                          ("bench_hla3", "hla3_h200_stages_ab")])
+                                          ("bench_hla3", "hla3_h200_stages_ab"),
+                                          ("bench_hla3", "hla3_h200_stages_k128")])
 def test_recorded_markdown_is_rendered_from_its_json(script, stem):
     with open(os.path.join(RESULTS, stem + ".json")) as f:
         res = json.load(f)

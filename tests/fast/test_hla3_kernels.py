@@ -305,7 +305,8 @@ def test_config_rule():
 
 def test_config_rule_pipelines_the_bf16_forward(monkeypatch):
     """On a GPU the rule pipelines the forward's loads two stages deep for bf16 key tiles up to
-    64 wide (hla3_h200_stages_ab.md), not wider ones nor fp32, and never the backward's."""
+    64 wide (hla3_h200_stages_ab.md), not wider ones (hla3_h200_stages_k128.md) nor fp32, and never
+    the backward's."""
     from hla_fast.ops.common import launch
     from hla_fast.ops.hla3 import chunk
 

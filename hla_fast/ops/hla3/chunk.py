@@ -94,8 +94,9 @@ def hla3_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     * the forward's loads pipelined two stages deep (``fwd_stages``) for bf16 key tiles up to 64
       wide: each next chunk's tiles are copied into shared memory while the current one is
       computed: 3.23 against 3.84 ms forward at K = V = 64, T = 32k, forward + backward 28.9
-      against 28.7 (benchmarks/results/hla3_h200_stages_ab.md). The backward keeps one stage;
-      wider tiles and fp32 ones were not measured.
+      against 28.7 (benchmarks/results/hla3_h200_stages_ab.md). Not at K = V = 128, where two
+      stages were slower (3.13 against 2.98 ms forward at T = 8192, hla3_h200_stages_k128.md).
+      The backward keeps one stage; fp32 tiles were not measured.
     The result is immutable, so it is cached."""
     fwd_chunk = bwd_chunk = min(chunk_size, 32)
     block_v = min(64, pow2_block(V, min_value_block(device)))
