@@ -40,7 +40,8 @@ def interpreter_on() -> bool:
 
 def min_value_block(device: torch.device) -> int:
     """Narrowest value block on ``device``: 64 on CUDA (a 32-wide value block hit an illegal
-    memory address on an H200 with Triton 3.6, see hla_fast/README.md), 16 under the interpreter."""
+    memory address on an H200 with Triton 3.6, see hla_fast/README.md; AHLA's forward did so
+    whenever its value block was narrower than its chunk), 16 under the interpreter."""
     return 64 if device.type == "cuda" else 16
 
 
