@@ -26,7 +26,8 @@ class ChunkConfig:
         (its walks, their segment summaries) and of the backward's (Triton's ``num_stages``): with
         more than 1 a walk copies its next chunks' tiles into shared memory while it computes the
         current one, at the cost of that memory; 1 loads each chunk when its turn comes. Unlike
-        ``*_prefetch`` the tiles wait in shared memory, not in registers.
+        ``*_prefetch`` the tiles wait in shared memory, not in registers. AHLA's layered backward
+        (``bwd_layers``) pipelines by its own constants and takes only ``bwd_stages=1``.
     fwd_block_v: value columns per forward program (a power of two >= 16; the launch takes no
         fewer than the device's ``common.launch.min_value_block``, 64 on CUDA).
     grad_parts: launches of the per-chunk gradient kernel, each a mask of the gradients it
