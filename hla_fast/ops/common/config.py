@@ -12,6 +12,9 @@ import dataclasses
 _CHUNKS = (16, 32, 64, 128)
 _WARPS = (1, 2, 4, 8, 16)
 _STAGES = (1, 2, 3, 4)
+# the fields that take one of a few ints, with their choices
+_CHOICES = {"fwd_chunk": _CHUNKS, "bwd_chunk": _CHUNKS, "fwd_warps": _WARPS, "bwd_warps": _WARPS,
+            "fwd_stages": _STAGES, "bwd_stages": _STAGES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,22 +72,14 @@ class ChunkConfig:
     bwd_layers: bool = False
 
     def __post_init__(self):
-        for name in ("fwd_chunk", "bwd_chunk"):
+        for name, choices in _CHOICES.items():
             x = getattr(self, name)
-            if type(x) is not int or x not in _CHUNKS:
-                raise ValueError(f"config.{name} must be one of {_CHUNKS}, got {x!r}")
+            if type(x) is not int or x not in choices:
+                raise ValueError(f"config.{name} must be one of {choices}, got {x!r}")
         for name in ("fwd_segments", "bwd_segments", "bwd_pieces"):
             x = getattr(self, name)
             if isinstance(x, bool) or not isinstance(x, int) or x < 1:
                 raise ValueError(f"config.{name} must be an int >= 1, got {x!r}")
-        for name in ("fwd_warps", "bwd_warps"):
-            x = getattr(self, name)
-            if type(x) is not int or x not in _WARPS:
-                raise ValueError(f"config.{name} must be one of {_WARPS}, got {x!r}")
-        for name in ("fwd_stages", "bwd_stages"):
-            x = getattr(self, name)
-            if type(x) is not int or x not in _STAGES:
-                raise ValueError(f"config.{name} must be one of {_STAGES}, got {x!r}")
         bv = self.fwd_block_v
         if isinstance(bv, bool) or not isinstance(bv, int) or bv < 16 or bv & (bv - 1):
             raise ValueError(f"config.fwd_block_v must be a power of two >= 16, got {bv!r}")

@@ -100,10 +100,11 @@ def hla3_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     The result is immutable, so it is cached."""
     fwd_chunk = bwd_chunk = min(chunk_size, 32)
     block_v = min(64, pow2_block(V, min_value_block(device)))
-    warps = 4 if pow2_block(K, min_key_block(device)) <= 64 and block_v <= 64 else 8
+    BK = pow2_block(K, min_key_block(device))
+    warps = 4 if BK <= 64 and block_v <= 64 else 8
     per_sm = 2 if warps == 4 else 1
     seg = one_wave_segments(cdiv(V, block_v) * B * H, cdiv(T, fwd_chunk), device, per_sm, MIN_SEGMENT_CHUNKS)
-    stages = 2 if bf16_dots(dtype) and pow2_block(K, min_key_block(device)) <= 64 else 1
+    stages = 2 if bf16_dots(dtype) and BK <= 64 else 1
     return ChunkConfig(fwd_chunk=fwd_chunk, bwd_chunk=bwd_chunk, fwd_segments=seg, bwd_segments=seg,
                        fwd_warps=warps, bwd_warps=warps, fwd_block_v=block_v, save_states=True, bf16_snapshots=False,
                        fwd_stages=stages)
