@@ -99,7 +99,7 @@ def variant_changes(K):
     backward as two first-order layers (``bwd_layers``, the wider heads' rule) in 4 and 8 warps;
     wider heads: the coupled backward in the layout the rule took before (chunks of 32, 8-warp
     forward loading ahead, backward in pieces), the layered one in chunks of 32 and with an 8-warp
-    forward; forwards of chunks of 128 in 8 warps and of 32 in 4."""
+    forward; forwards of chunks of 128 in 8 warps (one and two stages) and of 32 in 4."""
     layers = {"bwd_layers": True, "bwd_segments": 1, "bwd_pieces": 1, "bwd_prefetch": False}
     out = {"rule": {}, "no_prefetch": {"fwd_prefetch": False, "bwd_prefetch": False},
            "prefetch": {"fwd_prefetch": True, "bwd_prefetch": True},
@@ -125,6 +125,8 @@ def variant_changes(K):
                     "layers_32": dict(layers, fwd_chunk=32, bwd_chunk=32),
                     "layers_fwd_warps_8": dict(layers, fwd_warps=8, fwd_prefetch=True),
                     "fwd_128_warps_8": {"fwd_chunk": 128, "fwd_warps": 8, "fwd_prefetch": False},
+                    "fwd_128_warps_8_stages_2": {"fwd_chunk": 128, "fwd_warps": 8, "fwd_prefetch": False,
+                                                 "fwd_stages": 2},
                     "fwd_32_warps_4": {"fwd_chunk": 32, "fwd_warps": 4, "fwd_prefetch": False},
                     "fwd_32_warps_4_prefetch": {"fwd_chunk": 32, "fwd_warps": 4, "fwd_prefetch": True}})
     return out

@@ -57,12 +57,42 @@ def _grads64(q, k, v, g, do, st0=None, normalize=False):
     return o, torch.autograd.grad((o * do.double().cpu()).sum(), leaves + parts)
 
 
-@pytest.mark.parametrize("C", [16, 32, 64])
+@pytest.mark.parametrize("C", [16, 32, 64, 128])
 @pytest.mark.parametrize("T", [1, 17, 45, 70])
 def test_every_chunk_size_is_the_index_sum(C, T, device, poison):
     q, k, v, g = _inputs(device, T=T, seed=T)
     o, _ = hla_fast.ahla(q, k, v, g=g, chunk_size=C, backend="triton")
     assert rel(o, brute_ahla(q, k, v, g=g)) < TOL
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("segments", [1, 2])
+def test_chunks_of_128_scale_the_rows(normalize, segments, device, poison):
+    """Forward walks and segment summaries of chunks of 128 apply the state update's decay to the
+    rows of V and R (SCALE_ROWS), of 64 to the columns of K^T; both are the operator: three chunks
+    (the last one shorter) with gates, an initial state and the final state against float64."""
+    from hla_fast.ops.common.compile import Recorder
+
+    B, T, H, K, V = 1, 300, 2, 12, 20
+    q, k, v, g = _inputs(device, T=T, seed=31, positive=normalize)
+    st0 = _state0(B, H, K, V, normalize, torch.Generator(device=device).manual_seed(32))
+    want, want_st = hla_fast.ahla(q.double(), k.double(), v.double(), g=g.double(), normalize=normalize,
+                                  initial_state=AHLAState(*(None if x is None else x.double() for x in st0)),
+                                  output_final_state=True, backend="torch")
+    for C in (64, 128):
+        cfg = _cfg(C, C).replace(fwd_segments=segments)
+        o, st = hla_fast.ahla(q, k, v, g=g, normalize=normalize, initial_state=st0, output_final_state=True,
+                              backend="triton", config=cfg)
+        assert rel(o, want) < TOL
+        for a, b in zip(st, want_st):
+            if b is not None:
+                assert rel(a, b) < TOL
+        rec = Recorder()
+        with torch.no_grad():
+            chunk.ahla_chunked(q, k, v, g, None, *st0, normalize, 1e-6, cfg, C, launch=rec)
+        scale = {kern.fn.__name__: kw["SCALE_ROWS"] for kern, _, kw in rec.launches if "SCALE_ROWS" in kw}
+        assert set(scale) == ({"ahla_fwd_kernel", "ahla_fwd_summary_kernel"} if segments > 1 else {"ahla_fwd_kernel"})
+        assert set(scale.values()) == {C >= chunk.SCALE_ROWS_MIN_CHUNK}
 
 
 @pytest.mark.parametrize("bwd_chunk", [16, 32])
@@ -250,9 +280,12 @@ def test_config_rule_and_wide_segments_refused(device):
     assert (cfg.fwd_prefetch, cfg.bwd_prefetch) == (bf16, False)
     assert (wide.fwd_prefetch, wide.bwd_prefetch) == (False, bf16)
     assert (train.fwd_prefetch, train.bwd_prefetch) == (False, False)
-    # an inference forward of chunks of 128 with 128-wide keys: 8 warps, no loading ahead
+    # an inference forward of chunks of 128 with 128-wide keys: 8 warps, no loading ahead, its loads
+    # pipelined two stages deep with bf16 dots (every other layout above: one stage)
     long_chunks = chunk.ahla_config(2, 4096, 4, 128, 128, torch.bfloat16, torch.device(device), 128)
     assert (long_chunks.fwd_chunk, long_chunks.fwd_warps, long_chunks.fwd_prefetch) == (128, 8, False)
+    assert long_chunks.fwd_stages == (2 if bf16 else 1)
+    assert {c.fwd_stages for c in (cfg, wide, train, long, f32_train)} == {1}
     f32 = chunk.ahla_config(2, 4096, 4, 128, 128, torch.float32, torch.device(device), 64, training=True)
     assert not f32.fwd_prefetch and not f32.bwd_prefetch
     widest = chunk.ahla_config(1, 4096, 1, 256, 64, torch.bfloat16, torch.device(device), 64)

@@ -73,6 +73,12 @@ DH_STAGES = 3
 # the layered backward's per-chunk kernel (``ahla_bwd_layer_kernel``) pipelines the loads of its
 # two value blocks: 3.32 against 3.64 ms a launch in 8 warps (the same record)
 LAYER_STAGES = 2
+# the forward walks of chunks of at least this many rows apply the state update's decay to the rows
+# of V and R instead of the columns of K^T (``_chunk_carry``'s SCALE_ROWS). K = V = 128, T = 32k,
+# bf16, walk kernel alone: chunks of 128 in 8 warps 2.08 against 2.29 ms with two stages (2.27
+# against 2.31 with one); chunks of 64 slower, 2.74 against 2.46 ms in 4 warps, 2.89 against 2.71
+# in 8 (benchmarks/results/ahla_h200_chunk128.md)
+SCALE_ROWS_MIN_CHUNK = 128
 
 
 @functools.lru_cache(maxsize=4096)
@@ -95,7 +101,9 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
       without loading ahead: 2.35 ms against 2.67 for the default chunks of 64 in 4 warps
       (K = V = 128, T = 32k, ``ahla_h200_fwd_chunks.md``; in 4 warps, or loading ahead, an sm_90
       compile spills 1.5 and 0.8 KB of registers a thread, against 0.24 KB:
-      ``compile_ahla_bf16_k128_fwd_chunk128_{w4,w8_prefetch,w8}_cpu.md``);
+      ``compile_ahla_bf16_k128_fwd_chunk128_{w4,w8_prefetch,w8}_cpu.md``), with its loads
+      pipelined two stages deep (``fwd_stages=2``; three take 240 KB of shared memory, past
+      Hopper's 227): see ``ahla_h200_chunk128.md`` and SCALE_ROWS_MIN_CHUNK;
     * 4 warps for key tiles up to 64 wide, 8 above; but a bf16 inference forward (chunks of 64)
       at key tiles of 128 takes 4 (2.34 against 2.73 ms at K = V = 128);
     * the per-chunk gradients in one launch (two or three launches, ``grad_parts``, spill fewer
@@ -157,6 +165,7 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
                        fwd_warps=fwd_warps, bwd_warps=bwd_warps, fwd_block_v=block_v, grad_parts=(7,),
                        save_states=fwd_chunk == bwd_chunk, bf16_snapshots=True,
                        bwd_pieces=1 if layers else rule_pieces(wide and training, bwd_seg, cdiv(T, bwd_chunk)),
+                       fwd_stages=2 if wide_long else 1,
                        fwd_prefetch=bf16 and (BK <= 64 or fwd_warps == 8) and not wide_long,
                        bwd_prefetch=bf16 and BK > 64 and not layers,
                        bwd_layers=layers)
@@ -245,7 +254,7 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
     NS, nseg = split_segments(NT, segments)
     flags, lg = _common(q, gamma, g)
     kw = dict(H=H, K=K, V=V, BT=chunk, BK=BK, BV=BV, num_warps=warps, num_stages=stages, **flags)
-    walk = dict(kw, PREFETCH=prefetch)
+    walk = dict(kw, PREFETCH=prefetch, SCALE_ROWS=chunk >= SCALE_ROWS_MIN_CHUNK)
     if normalize and p0 is not None:
         pn0 = torch.zeros(B, H, K, device=dev, dtype=f32) if pn0 is None else pn0
         en0 = torch.zeros(B, H, K, device=dev, dtype=f32) if en0 is None else en0

@@ -170,12 +170,19 @@ def _chunk_first_order(b_q, b_kt, b_v, P, pn, G, g1, NORM: tl.constexpr, IS_BF16
 
 @triton.jit
 def _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM: tl.constexpr, IS_BF16: tl.constexpr,
-                 PREC: tl.constexpr):
+                 PREC: tl.constexpr, SCALE_ROWS: tl.constexpr):
     """The state at the chunk's end: P <- gC P0 + Kg^T V, E <- gC E0 + Kg^T R (p, e: the same on
-    the column of ones, when NORM)."""
-    b_kgt = b_kt * gl[None, :]                                             # Kg^T [BK, BT]
-    P = P * gC + dot(b_kgt, b_v, IS_BF16, PREC)
-    E = E * gC + dot(b_kgt, b_r, IS_BF16, PREC)
+    the column of ones, when NORM). Kg^T V = K^T (diag(gl) V): SCALE_ROWS scales the rows of V
+    and R ([BT, BV] tiles) so that K^T enters both products as loaded, else K^T's columns (one
+    [BK, BT] tile for both). Which is faster depends on the layout (``fwd_launch``)."""
+    if SCALE_ROWS:
+        P = P * gC + dot(b_kt, b_v * gl[:, None], IS_BF16, PREC)
+        E = E * gC + dot(b_kt, b_r * gl[:, None], IS_BF16, PREC)
+        b_kgt = b_kt.to(tl.float32) * gl[None, :]                          # (for p, e)
+    else:
+        b_kgt = b_kt * gl[None, :]                                         # Kg^T [BK, BT]
+        P = P * gC + dot(b_kgt, b_v, IS_BF16, PREC)
+        E = E * gC + dot(b_kgt, b_r, IS_BF16, PREC)
     if NORM:
         en = en * gC + tl.sum(b_kgt.to(tl.float32) * r_n[None, :], axis=1)
         pn = pn * gC + tl.sum(b_kgt.to(tl.float32), axis=1)
@@ -205,6 +212,7 @@ def ahla_fwd_kernel(
     HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
     HAS_G: tl.constexpr, HAS_INIT: tl.constexpr, HAS_O: tl.constexpr, SAVE_STATES: tl.constexpr,
     STORE_R: tl.constexpr, STORE_FINAL: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
 ):
     """One program per (value block, segment, batch*head) walks its segment's chunks in order,
     keeping its columns of P and E (and all of p, e when NORM) in fp32 registers: outputs (HAS_O,
@@ -264,7 +272,7 @@ def ahla_fwd_kernel(
             tl.store(o + off_v + t[:, None] * (H * V) + rv[None, :], b_o.to(o.dtype.element_ty),
                      mask=mt[:, None] & mv[None, :])
         # -- carry the state to the chunk's end --------------------------------------------
-        P, E, pn, en = _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM, IS_BF16, PREC)
+        P, E, pn, en = _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM, IS_BF16, PREC, SCALE_ROWS)
 
     if STORE_FINAL:
         if i_n == NSEG - 1:
@@ -291,7 +299,7 @@ def ahla_fwd_summary_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
-    HAS_G: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr,
+    HAS_G: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr, SCALE_ROWS: tl.constexpr,
 ):
     """Each segment's summary: the state (P, E[, p, e]) after it from a zero state, the undecayed
     moment R = sum_i k_i q_i^T and log rho = b_end - b_start (its total log decay). A start state
@@ -327,7 +335,7 @@ def ahla_fwd_summary_kernel(
                                                      rk, mk, rv, mv, H, K, V, True, IS_BF16, PREFETCH)
         G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
         b_a, b_r, r_n = _chunk_first_order(b_q, b_kt, b_v, P, pn, G, g1, NORM, IS_BF16, PREC)
-        P, E, pn, en = _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM, IS_BF16, PREC)
+        P, E, pn, en = _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM, IS_BF16, PREC, SCALE_ROWS)
         R += dot(b_kt, b_q, IS_BF16, PREC)                                   # K^T Q  [BK, BK]
         log_rho += bL
     i_sg = i_bh.to(tl.int64) * NSEG + i_n
