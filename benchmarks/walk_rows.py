@@ -7,7 +7,7 @@ process: a forward at T = 777 against the float64 torch path first, then the wal
 full shape, launched as the operator launches it but for SCALE_ROWS, timed alone
 (triton.testing.do_bench, median ms). On a CUDA machine, from the repository root:
 
-    python benchmarks/walk_rows.py --out benchmarks/results --tag h200_chunk128
+    python benchmarks/walk_rows.py --out benchmarks/results --tag h200_chunk128 [--layouts 64:4:1,128:8:2]
 """
 from __future__ import annotations
 
@@ -23,8 +23,7 @@ for _p in (ROOT, os.path.join(ROOT, "benchmarks")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-LAYOUTS = [(64, 4), (64, 8), (128, 8)]   # (chunk, warps)
-STAGES = (1, 2)
+LAYOUTS = "64:4:1,64:4:2,64:8:1,64:8:2,128:8:1,128:8:2"   # chunk:warps:stages
 
 
 def one(spec):
@@ -73,6 +72,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="h200_chunk128", help="files ahla_<tag>.json and ahla_<tag>.md")
+    ap.add_argument("--layouts", default=LAYOUTS, help=f"comma list of chunk:warps:stages (default {LAYOUTS})")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -82,16 +82,16 @@ def main():
     import triton
 
     rows = []
-    for chunk, warps in LAYOUTS:
-        for stages in STAGES:
-            for scale_rows in (False, True):
-                spec = {"chunk": chunk, "warps": warps, "stages": stages, "scale_rows": scale_rows}
-                p = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", json.dumps(spec)],
-                                   capture_output=True, text=True, timeout=300)
-                got = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-                row = json.loads(got[0][7:]) if got else dict(spec, error=(p.stderr or p.stdout)[-300:])
-                print(row, flush=True)
-                rows.append(row)
+    for layout in args.layouts.split(","):
+        chunk, warps, stages = (int(x) for x in layout.split(":"))
+        for scale_rows in (False, True):
+            spec = {"chunk": chunk, "warps": warps, "stages": stages, "scale_rows": scale_rows}
+            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", json.dumps(spec)],
+                               capture_output=True, text=True, timeout=300)
+            got = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+            row = json.loads(got[0][7:]) if got else dict(spec, error=(p.stderr or p.stdout)[-300:])
+            print(row, flush=True)
+            rows.append(row)
     res = {"device": torch.cuda.get_device_name(0), "versions": {"torch": torch.__version__, "triton": triton.__version__},
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "shape": {"B": 4, "T": 32768, "H": 16, "K": 128, "V": 128, "dtype": "bfloat16", "gamma": 0.999},
@@ -102,7 +102,7 @@ def main():
         json.dump(res, f, indent=1)
     lines = [f"# AHLA forward walk kernel: decay on K^T's columns or on V's and R's rows ({res['device']})", "",
              f"Date {res['date']}; versions {res['versions']}; shape {res['shape']}; one segment, value blocks "
-             "of 64, no loading ahead. `python benchmarks/walk_rows.py --tag " + args.tag + "`.", "",
+             "of 64, no loading ahead. `python benchmarks/walk_rows.py --layouts " + args.layouts + " --tag " + args.tag + "`.", "",
              "| chunk | warps | stages | decay on | walk ms (median) | rel. error at T = 777 |", "|---|---|---|---|---|---|"]
     for r in rows:
         ms = f"{r['walk_ms']:.3f}" if "walk_ms" in r else r.get("error", "-")[-80:].replace("|", "/").replace("\n", " ")
