@@ -68,11 +68,39 @@ def one(spec):
     return row
 
 
+def parse_layouts(text):
+    """'64:4:1,128:8:2' -> [(64, 4, 1), (128, 8, 2)] (chunk, warps, stages); a clear error else."""
+    try:
+        out = [tuple(int(x) for x in item.split(":")) for item in text.split(",")]
+    except ValueError:
+        out = None
+    if not out or any(len(t) != 3 for t in out):
+        raise argparse.ArgumentTypeError(f"--layouts: expected chunk:warps:stages[,...], got {text!r}")
+    return out
+
+
+def render_markdown(res):
+    """The record's markdown: one row per (layout, decay placement)."""
+    a = res["args"]
+    lines = [f"# AHLA forward walk kernel: decay on K^T's columns or on V's and R's rows ({res['device']})", "",
+             f"Date {res['date']}; versions {res['versions']}; shape {res['shape']}; one segment, value blocks "
+             f"of 64, no loading ahead. `python benchmarks/walk_rows.py --layouts {a['layouts']} --tag {a['tag']}`.",
+             "", "| chunk | warps | stages | decay on | walk ms (median) | rel. error at T = 777 |",
+             "|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        ms = f"{r['walk_ms']:.3f}" if "walk_ms" in r else r.get("error", "-")[-80:].replace("|", "/").replace("\n", " ")
+        err = f"{r['rel_err_T777']:.2e}" if "rel_err_T777" in r else "-"
+        lines.append(f"| {r['chunk']} | {r['warps']} | {r['stages']} | "
+                     f"{'V, R rows' if r['scale_rows'] else 'K^T columns'} | {ms} | {err} |")
+    return "\n".join(lines) + "\n"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="h200_chunk128", help="files ahla_<tag>.json and ahla_<tag>.md")
-    ap.add_argument("--layouts", default=LAYOUTS, help=f"comma list of chunk:warps:stages (default {LAYOUTS})")
+    ap.add_argument("--layouts", default=LAYOUTS, type=parse_layouts,
+                    help=f"comma list of chunk:warps:stages (default {LAYOUTS})")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -81,9 +109,11 @@ def main():
     import torch
     import triton
 
+    if not torch.cuda.is_available():
+        print("walk_rows.py times compiled kernels: it needs a CUDA device", file=sys.stderr)
+        sys.exit(2)
     rows = []
-    for layout in args.layouts.split(","):
-        chunk, warps, stages = (int(x) for x in layout.split(":"))
+    for chunk, warps, stages in args.layouts:
         for scale_rows in (False, True):
             spec = {"chunk": chunk, "warps": warps, "stages": stages, "scale_rows": scale_rows}
             p = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", json.dumps(spec)],
@@ -95,22 +125,14 @@ def main():
     res = {"device": torch.cuda.get_device_name(0), "versions": {"torch": torch.__version__, "triton": triton.__version__},
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "shape": {"B": 4, "T": 32768, "H": 16, "K": 128, "V": 128, "dtype": "bfloat16", "gamma": 0.999},
+           "args": {"layouts": ",".join(":".join(str(x) for x in t) for t in args.layouts), "tag": args.tag},
            "rows": rows}
     os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, f"ahla_{args.tag}")
     with open(base + ".json", "w") as f:
         json.dump(res, f, indent=1)
-    lines = [f"# AHLA forward walk kernel: decay on K^T's columns or on V's and R's rows ({res['device']})", "",
-             f"Date {res['date']}; versions {res['versions']}; shape {res['shape']}; one segment, value blocks "
-             "of 64, no loading ahead. `python benchmarks/walk_rows.py --layouts " + args.layouts + " --tag " + args.tag + "`.", "",
-             "| chunk | warps | stages | decay on | walk ms (median) | rel. error at T = 777 |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        ms = f"{r['walk_ms']:.3f}" if "walk_ms" in r else r.get("error", "-")[-80:].replace("|", "/").replace("\n", " ")
-        err = f"{r['rel_err_T777']:.2e}" if "rel_err_T777" in r else "-"
-        lines.append(f"| {r['chunk']} | {r['warps']} | {r['stages']} | {'V, R rows' if r['scale_rows'] else 'K^T columns'} "
-                     f"| {ms} | {err} |")
     with open(base + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write(render_markdown(res))
 
 
 if __name__ == "__main__":

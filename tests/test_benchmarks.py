@@ -63,7 +63,10 @@ def load(name):
                                           ("compile_report", "compile_ahla_bf16_k128_fwd_prefetch_cpu"),
                                           ("bench_hla3", "hla3_h200_stages"),
                                           ("bench_hla3", "hla3_h200_stages_ab"),
-                                          ("bench_hla3", "hla3_h200_stages_k128")])
+                                          ("bench_hla3", "hla3_h200_stages_k128"),
+                                          ("bench_ahla", "ahla_h200_chunk128_calls"),
+                                          ("walk_rows", "ahla_h200_chunk128"),
+                                          ("compile_report", "compile_ahla_bf16_k128_fwd_chunk128_w8_stages2_cpu")])
 def test_recorded_markdown_is_rendered_from_its_json(script, stem):
     with open(os.path.join(RESULTS, stem + ".json")) as f:
         res = json.load(f)
@@ -159,6 +162,20 @@ def test_layer_kernels_needs_cuda_and_renders_its_record(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     md = (tmp_path / "ahla_x.md").read_text()
     assert "| 64 | 4 | 3 | 0.500 |" in md and "| 64 | 8 | 2 | OutOfResources: shared memory |" in md
+
+
+def test_walk_rows_needs_cuda_and_checks_its_layouts():
+    """benchmarks/walk_rows.py times compiled kernels: without CUDA it says so; a --layouts that is
+    not chunk:warps:stages is refused by name."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    script = os.path.join(ROOT, "benchmarks", "walk_rows.py")
+    run = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert run.returncode == 2 and "needs a CUDA device" in run.stderr
+    for bad in ("64:4", "64:4:x", ""):
+        run = subprocess.run([sys.executable, script, "--layouts", bad], capture_output=True, text=True, timeout=300,
+                             cwd=ROOT, env=env)
+        assert run.returncode == 2 and "--layouts: expected chunk:warps:stages" in run.stderr, bad
+    assert load("walk_rows").parse_layouts("64:4:1,128:8:2") == [(64, 4, 1), (128, 8, 2)]
 
 
 def test_ab_revision_imports_an_earlier_package_beside_this_one(tmp_path):

@@ -75,9 +75,9 @@ DH_STAGES = 3
 LAYER_STAGES = 2
 # the forward walks of chunks of at least this many rows apply the state update's decay to the rows
 # of V and R instead of the columns of K^T (``_chunk_carry``'s SCALE_ROWS). K = V = 128, T = 32k,
-# bf16, walk kernel alone: chunks of 128 in 8 warps 2.08 against 2.29 ms with two stages (2.27
-# against 2.31 with one); chunks of 64 slower, 2.74 against 2.46 ms in 4 warps, 2.89 against 2.71
-# in 8 (benchmarks/results/ahla_h200_chunk128.md)
+# bf16, the walk kernel alone: chunks of 128 in 8 warps 2.10 against 2.32 ms with two stages (2.28
+# against 2.33 with one); chunks of 64 slower so, 2.75 against 2.53 ms in 4 warps, 2.90 against
+# 2.72 in 8 (benchmarks/results/ahla_h200_chunk128.md)
 SCALE_ROWS_MIN_CHUNK = 128
 
 
@@ -101,9 +101,13 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
       without loading ahead: 2.35 ms against 2.67 for the default chunks of 64 in 4 warps
       (K = V = 128, T = 32k, ``ahla_h200_fwd_chunks.md``; in 4 warps, or loading ahead, an sm_90
       compile spills 1.5 and 0.8 KB of registers a thread, against 0.24 KB:
-      ``compile_ahla_bf16_k128_fwd_chunk128_{w4,w8_prefetch,w8}_cpu.md``), with its loads
-      pipelined two stages deep (``fwd_stages=2``; three take 240 KB of shared memory, past
-      Hopper's 227): see ``ahla_h200_chunk128.md`` and SCALE_ROWS_MIN_CHUNK;
+      ``compile_ahla_bf16_k128_fwd_chunk128_{w4,w8_prefetch,w8}_cpu.md``, compiled before the
+      walk scaled rows), with its loads pipelined two stages deep (``fwd_stages=2``) and the
+      decay on the rows of V and R (SCALE_ROWS_MIN_CHUNK): 2.06 against 2.27 ms with one stage,
+      1.42x fla's first-order forward in the same run (``ahla_h200_chunk128_calls.md``; two stages
+      take 160 KB of shared memory and spill 164 bytes a thread by an sm_90 compile,
+      ``compile_ahla_bf16_k128_fwd_chunk128_w8_stages2_cpu.md``; three stages need 240 KB, past
+      Hopper's 227);
     * 4 warps for key tiles up to 64 wide, 8 above; but a bf16 inference forward (chunks of 64)
       at key tiles of 128 takes 4 (2.34 against 2.73 ms at K = V = 128);
     * the per-chunk gradients in one launch (two or three launches, ``grad_parts``, spill fewer
