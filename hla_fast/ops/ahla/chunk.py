@@ -76,8 +76,8 @@ LAYER_STAGES = 2
 # the forward walks of chunks of at least this many rows apply the state update's decay to the rows
 # of V and R instead of the columns of K^T (``_chunk_carry``'s SCALE_ROWS). K = V = 128, T = 32k,
 # bf16, the walk kernel alone: chunks of 128 in 8 warps 2.10 against 2.32 ms with two stages (2.28
-# against 2.33 with one); chunks of 64 slower so, 2.75 against 2.53 ms in 4 warps, 2.90 against
-# 2.72 in 8 (benchmarks/results/ahla_h200_chunk128.md)
+# against 2.33 with one); chunks of 64 are slower with rows, 2.75 against 2.53 ms in 4 warps, 2.90
+# against 2.72 in 8 (benchmarks/results/ahla_h200_chunk128.md)
 SCALE_ROWS_MIN_CHUNK = 128
 
 

@@ -174,13 +174,13 @@ def _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM: tl.constexpr, 
     """The state at the chunk's end: P <- gC P0 + Kg^T V, E <- gC E0 + Kg^T R (p, e: the same on
     the column of ones, when NORM). Kg^T V = K^T (diag(gl) V): SCALE_ROWS scales the rows of V
     and R ([BT, BV] tiles) so that K^T enters both products as loaded, else K^T's columns (one
-    [BK, BT] tile for both). Which is faster depends on the layout (``fwd_launch``)."""
+    [BK, BT] tile for both). Which is faster depends on the chunk (``SCALE_ROWS_MIN_CHUNK`` in
+    chunk.py). p and e take Kg^T's rows summed either way (vector work, no product)."""
+    b_kgt = b_kt * gl[None, :]                                             # Kg^T [BK, BT]
     if SCALE_ROWS:
         P = P * gC + dot(b_kt, b_v * gl[:, None], IS_BF16, PREC)
         E = E * gC + dot(b_kt, b_r * gl[:, None], IS_BF16, PREC)
-        b_kgt = b_kt.to(tl.float32) * gl[None, :]                          # (for p, e)
     else:
-        b_kgt = b_kt * gl[None, :]                                         # Kg^T [BK, BT]
         P = P * gC + dot(b_kgt, b_v, IS_BF16, PREC)
         E = E * gC + dot(b_kgt, b_r, IS_BF16, PREC)
     if NORM:
