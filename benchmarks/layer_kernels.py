@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import platform
@@ -24,8 +23,11 @@ import sys
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+for _p in (ROOT, os.path.join(ROOT, "benchmarks")):   # hla_fast, and records beside this script
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from records import render_stored, write_record  # noqa: E402
 
 B, H, BT, GAMMA = 4, 16, 64, 0.999
 WALKS = [(bk, w, s) for bk in (32, 64, 128) for w in (2, 4, 8) for s in (1, 2, 3)]
@@ -94,10 +96,7 @@ def main():
     ap.add_argument("--render", default=None, help="only write the markdown beside this recorded JSON")
     args = ap.parse_args()
     if args.render:
-        with open(args.render) as f:
-            res = json.load(f)
-        with open(os.path.splitext(args.render)[0] + ".md", "w") as f:
-            f.write(render_markdown(res))
+        render_stored(args.render, render_markdown)
         return
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device (the kernels are timed compiled)")
@@ -108,10 +107,7 @@ def main():
            "K": args.dim, "T": args.T, **measure(args.dim, args.T)}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"ahla_{args.tag}")
-    with open(path + ".json", "w") as f:
-        json.dump(res, f, indent=1)
-    with open(path + ".md", "w") as f:
-        f.write(render_markdown(res))
+    write_record(path, res, render_markdown)
     print(render_markdown(res))
     print(f"wrote {path}.json and {path}.md")
 

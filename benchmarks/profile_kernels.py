@@ -28,6 +28,7 @@ for p in (ROOT, os.path.join(ROOT, "benchmarks")):
         sys.path.insert(0, p)
 
 from config_arg import HELP, config_changes  # noqa: E402
+from records import render_stored, write_record  # noqa: E402
 
 CASES = "ahla:128:32768,ahla:64:32768,hla3:64:32768,hla3:128:8192,hla2:128:32768,hla2:64:32768"
 CALLS = 3
@@ -107,18 +108,6 @@ def render_markdown(res):
     return "\n".join(lines)
 
 
-def write_markdown(res, path):
-    """path.md from the results ``res``."""
-    with open(path + ".md", "w") as f:
-        f.write(render_markdown(res))
-
-
-def write(res, path):
-    with open(path + ".json", "w") as f:
-        json.dump(res, f, indent=1)
-    write_markdown(res, path)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -129,9 +118,7 @@ def main():
     ap.add_argument("--config", type=config_changes, default=None, help=HELP + " (every case)")
     args = ap.parse_args()
     if args.render:
-        with open(args.render) as f:
-            res = json.load(f)
-        write_markdown(res, os.path.splitext(args.render)[0])
+        render_stored(args.render, render_markdown)
         return
     try:
         cases = parse_cases(args.cases)
@@ -150,7 +137,7 @@ def main():
         t0 = time.perf_counter()
         res["cases"].append(profile_case(op, D, T, gated, args.config))
         print(f"{op} K={D} T={T} gated={gated}: {time.perf_counter() - t0:.1f} s", flush=True)
-        write(res, path)
+        write_record(path, res, render_markdown)
         torch.cuda.empty_cache()
     print(f"wrote {path}.json and {path}.md")
 

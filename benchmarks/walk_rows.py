@@ -26,6 +26,9 @@ for _p in (ROOT, os.path.join(ROOT, "benchmarks")):
 LAYOUTS = "64:4:1,64:4:2,64:8:1,64:8:2,128:8:1,128:8:2"   # chunk:warps:stages
 
 
+from records import write_record  # noqa: E402
+
+
 def one(spec):
     """Check, then time, one (chunk, warps, stages, scale_rows) layout; returns a result row."""
     import torch
@@ -128,11 +131,7 @@ def main():
            "args": {"layouts": ",".join(":".join(str(x) for x in t) for t in args.layouts), "tag": args.tag},
            "rows": rows}
     os.makedirs(args.out, exist_ok=True)
-    base = os.path.join(args.out, f"ahla_{args.tag}")
-    with open(base + ".json", "w") as f:
-        json.dump(res, f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write(render_markdown(res))
+    write_record(os.path.join(args.out, f"ahla_{args.tag}"), res, render_markdown)
 
 
 if __name__ == "__main__":
