@@ -385,9 +385,10 @@ def main():
     if "variants" in chosen:
         res["variants"] = []
         T = Ts[-1]
-        if args.variants:
+        wanted = set(args.variants.split(",")) if args.variants else None
+        if wanted:
             known = {n for D in Ds for n in variant_changes(hla_fast.hla3_config(B, T, H, D, D, torch.bfloat16, DEVICE), D)}
-            unknown = sorted(set(args.variants.split(",")) - known)
+            unknown = sorted(wanted - known)
             if unknown:
                 ap.error(f"--variants: unknown layouts {unknown}; known: {', '.join(sorted(known))}")
         for D in Ds:
@@ -395,7 +396,7 @@ def main():
             do = torch.randn_like(v)
             base = hla_fast.hla3_config(B, T, H, D, D, q.dtype, q.device)
             for name, changes in variant_changes(base, D).items():
-                if args.variants and name not in args.variants.split(","):
+                if wanted and name not in wanted:
                     continue
                 row = {"T": T, "K": D, "variant": name, "changes": changes}
                 try:
