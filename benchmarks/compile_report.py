@@ -68,8 +68,11 @@ def hopper_launchers(op):
     return chunk, cuda, Recorder()
 
 
-def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, gates=False):
-    """Run ``op``'s launchers on meta tensors; return (config, [(kernel, grid, kwargs), ...])."""
+def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, gates=False, normalize=False):
+    """Run ``op``'s launchers on meta tensors; return (config, [(kernel, grid, kwargs), ...]).
+    normalize (HLA2 only): a normalized call, whose backward carries the ones column (``dd``)."""
+    if normalize and op != "hla2":
+        raise ValueError(f"normalize: only hla2's launchers are recorded normalized, not {op}'s")
     chunk, cuda, rec = hopper_launchers(op)
     import hla_fast
 
@@ -88,10 +91,12 @@ def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, 
                   stages=cfg.fwd_stages, launch=rec)
     if op == "hla2":
         snap = chunk._snapshot_dtype(cfg, dtype) if save else None
-        cs = chunk.fwd_launch(q, k, v, g, gamma, None, None, None, snapshots=snap, **common)[5]
+        cs = chunk.fwd_launch(q, k, v, g, gamma, None, None, None, snapshots=snap, normalize=normalize, eps=1e-6,
+                              **common)[5]
         if not forward_only:
+            dd = torch.empty(B, T, H, device=meta) if normalize else None
             chunk.bwd_launch(q, k, v, do, g, gamma, None, None, None, None, cfg, states=cs, want_db=gates,
-                             launch=rec)
+                             dd=dd, launch=rec)
     elif op == "ahla":
         snap = chunk._snapshot_dtype(cfg, dtype) if save else None
         cs = chunk.fwd_launch(q, k, v, g, gamma, None, None, None, None, snapshots=snap, prefetch=cfg.fwd_prefetch,
@@ -195,11 +200,11 @@ def compile_launch(kernel, kw, ptxas):
             "spill_loads": spill.get("loads", 0), "seconds": round(seconds, 2)}
 
 
-def report(op, B, T, H, K, V, dtype, changes=None, forward_only=False, gates=False, only=None):
+def report(op, B, T, H, K, V, dtype, changes=None, forward_only=False, gates=False, only=None, normalize=False):
     """Compile every distinct launch of one call; returns {"config": str, "kernels": [row, ...]}."""
     from hla_fast.ops.common.compile import TensorArg
 
-    cfg, log = record_launches(op, B, T, H, K, V, dtype, changes, forward_only, gates)
+    cfg, log = record_launches(op, B, T, H, K, V, dtype, changes, forward_only, gates, normalize)
     ptxas = _ptxas()
     rows, seen = [], set()
     for kernel, _, kw in log:
@@ -250,6 +255,7 @@ def main(argv=None):
     ap.add_argument("--config", type=config_changes, default={}, help=HELP)
     ap.add_argument("--pass", dest="which", choices=("both", "forward"), default="both")
     ap.add_argument("--gates", action="store_true", help="log-gates g (that require grad) instead of gamma")
+    ap.add_argument("--normalize", action="store_true", help="a normalized call (hla2 only)")
     ap.add_argument("--only", default=None, help="compile only kernels whose name contains this")
     ap.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     ap.add_argument("--out", default=None, help="also write OUT.json and OUT.md (with date, versions, CPU)")
@@ -261,7 +267,7 @@ def main(argv=None):
     os.environ["TRITON_CACHE_DIR"] = cache
     atexit.register(shutil.rmtree, cache, True)
     res = report(args.op, args.B, args.T, args.H, args.K, args.V, getattr(torch, args.dtype), args.config,
-                 args.which == "forward", args.gates, args.only)
+                 args.which == "forward", args.gates, args.only, args.normalize)
     if args.out:
         import datetime
         import platform

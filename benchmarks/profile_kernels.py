@@ -1,13 +1,14 @@
 """Where the time of one forward + backward goes: CUDA time per kernel, from torch.profiler.
 
 For each case ``op:K:T`` (op in hla2, ahla, hla3; K = V; bf16, B = 4, H = 16, gamma = 0.999, the
-default configuration), or ``op:K:T:g`` (per-token log-gates g that require grad instead of gamma),
-two warm-up calls, then three forward + backward calls under the profiler;
+default configuration), ``op:K:T:g`` (per-token log-gates g that require grad instead of gamma),
+``op:K:T:n`` (normalize=True, on |q| and |k|) or ``op:K:T:gn`` (both), two warm-up calls, then three forward + backward calls under the profiler;
 every kernel's self CUDA time is divided by three. Triton kernels appear under their function
 names (``hla3_bwd_grad_kernel``), torch's own (sums, casts, fills) under theirs.
 
     python benchmarks/profile_kernels.py --tag h200                 # the recorded run (a GPU)
     python benchmarks/profile_kernels.py --cases ahla:128:32768 --config '{"bwd_layers": true}' --tag x
+    python benchmarks/profile_kernels.py --cases hla2:64:32768,hla2:64:32768:n --tag hla2_normalize
     python benchmarks/profile_kernels.py --render benchmarks/results/kernels_h200.json
 """
 from __future__ import annotations
@@ -34,30 +35,36 @@ CASES = "ahla:128:32768,ahla:64:32768,hla3:64:32768,hla3:128:8192,hla2:128:32768
 CALLS = 3
 
 
+FLAGS = ("", "g", "n", "gn")   # a case's suffix: gates, normalize, both
+
+
 def parse_cases(text):
-    """'op:K:T[:g],...' -> [(op, K, T, gated)], checked."""
+    """'op:K:T[:g|:n|:gn],...' -> [(op, K, T, gated, normalize)], checked."""
     out = []
     for item in text.split(","):
         parts = item.split(":")
-        gated = len(parts) == 4 and parts[3] == "g"
-        if gated:
-            parts = parts[:3]
+        flags = parts.pop() if len(parts) == 4 and parts[3] in FLAGS[1:] else ""
         if len(parts) != 3 or parts[0] not in ("hla2", "ahla", "hla3") or not all(x.isdigit() for x in parts[1:]):
-            raise ValueError(f"--cases: expected op:K:T or op:K:T:g with op in hla2, ahla, hla3, got {item!r}")
-        out.append((parts[0], int(parts[1]), int(parts[2]), gated))
+            raise ValueError(f"--cases: expected op:K:T or op:K:T:FLAGS (FLAGS one of g, n, gn) with op in hla2, "
+                             f"ahla, hla3, got {item!r}")
+        out.append((parts[0], int(parts[1]), int(parts[2]), "g" in flags, "n" in flags))
     return out
 
 
-def profile_case(op, D, T, gated=False, changes=None):
+def profile_case(op, D, T, gated=False, changes=None, normalize=False):
     """{kernel name: [ms per forward + backward, launches per forward + backward]}, largest first.
     gated: log-gates g [B, T, H] (``bench_hla2.make_gates``) that require grad, instead of gamma.
+    normalize: normalize=True, on |q| and |k| (a positive denominator).
     changes: ChunkConfig fields changed from the rule's training layout (None: the rule's)."""
     import hla_fast
     from bench_hla2 import make_gates, make_inputs
     from torch.profiler import ProfilerActivity, profile
 
     fn = getattr(hla_fast, op)
-    q, k, v = (x.requires_grad_() for x in make_inputs(4, T, 16, D, D))
+    q, k, v = make_inputs(4, T, 16, D, D)
+    if normalize:
+        q, k = q.abs(), k.abs()
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
     decay = {"g": make_gates(4, T, 16).requires_grad_()} if gated else {"gamma": 0.999}
     do = torch.randn_like(v)
     cfg = getattr(hla_fast, f"{op}_config")(4, T, 16, D, D, q.dtype, q.device,
@@ -67,7 +74,7 @@ def profile_case(op, D, T, gated=False, changes=None):
     def step():
         for x in (q, k, v, *(x for x in decay.values() if torch.is_tensor(x))):
             x.grad = None   # a fresh gradient each call, not an accumulation into the last one
-        o, _ = fn(q, k, v, backend="triton", config=cfg, **decay)
+        o, _ = fn(q, k, v, backend="triton", config=cfg, normalize=normalize, **decay)
         o.backward(do)
 
     for _ in range(2):
@@ -82,7 +89,8 @@ def profile_case(op, D, T, gated=False, changes=None):
         t = getattr(e, "self_device_time_total", 0) or 0
         if t > 0:
             rows[e.key[:80]] = [t / CALLS / 1000, e.count // CALLS]
-    return {"op": op, "K": D, "V": D, "T": T, "B": 4, "H": 16, "gated": gated, "config": str(cfg),
+    return {"op": op, "K": D, "V": D, "T": T, "B": 4, "H": 16, "gated": gated, "normalize": normalize,
+            "config": str(cfg),
             "kernels_ms": dict(sorted(rows.items(), key=lambda kv: -kv[1][0]))}
 
 
@@ -98,7 +106,7 @@ def render_markdown(res):
         lines += [f"- {n}" for n in res["notes"]] + [""]
     for r in res["cases"]:
         total = sum(ms for ms, _ in r["kernels_ms"].values())
-        gates = ", gates g" if r.get("gated") else ""
+        gates = (", gates g" if r.get("gated") else "") + (", normalized" if r.get("normalize") else "")
         lines += [f"## {r['op']}{gates}, K = V = {r['K']}, T = {r['T']}: {total:.3g} ms of kernels", "",
                   f"`{r['config']}`", "", "| kernel | ms | share | launches |", "|---|---|---|---|"]
         for name, (ms, n) in r["kernels_ms"].items():
@@ -113,7 +121,7 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--tag", default="h200", help="files kernels_<tag>.json and kernels_<tag>.md")
-    ap.add_argument("--cases", default=CASES, help="comma list of op:K:T or op:K:T:g")
+    ap.add_argument("--cases", default=CASES, help="comma list of op:K:T or op:K:T:FLAGS (g, n or gn)")
     ap.add_argument("--render", default=None, help="only write the markdown beside this recorded JSON")
     ap.add_argument("--config", type=config_changes, default=None, help=HELP + " (every case)")
     args = ap.parse_args()
@@ -133,10 +141,10 @@ def main():
            **({"config": args.config} if args.config else {})}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"kernels_{args.tag}")
-    for op, D, T, gated in cases:
+    for op, D, T, gated, normalize in cases:
         t0 = time.perf_counter()
-        res["cases"].append(profile_case(op, D, T, gated, args.config))
-        print(f"{op} K={D} T={T} gated={gated}: {time.perf_counter() - t0:.1f} s", flush=True)
+        res["cases"].append(profile_case(op, D, T, gated, args.config, normalize))
+        print(f"{op} K={D} T={T} gated={gated} normalize={normalize}: {time.perf_counter() - t0:.1f} s", flush=True)
         write_record(path, res, render_markdown)
         torch.cuda.empty_cache()
     print(f"wrote {path}.json and {path}.md")

@@ -120,7 +120,9 @@ def test_bench_hla3_refuses_an_unknown_section(tmp_path):
 
 def test_profile_kernels_cases_and_markdown():
     pk = load("profile_kernels")
-    assert pk.parse_cases("hla2:64:1024,ahla:128:8:g") == [("hla2", 64, 1024, False), ("ahla", 128, 8, True)]
+    assert pk.parse_cases("hla2:64:1024,ahla:128:8:g,hla2:64:8:n,hla2:64:8:gn") == [
+        ("hla2", 64, 1024, False, False), ("ahla", 128, 8, True, False), ("hla2", 64, 8, False, True),
+        ("hla2", 64, 8, True, True)]
     for bad in ("hla4:64:1024", "hla2:64", "hla2:x:1024", "ahla:64:1024:h"):
         with pytest.raises(ValueError, match="--cases: expected op:K:T"):
             pk.parse_cases(bad)
@@ -134,6 +136,8 @@ def test_profile_kernels_cases_and_markdown():
     assert "- two runs\n" in pk.render_markdown(dict(res, notes=["two runs"]))
     assert "hla2, K = V = 64, T = 1024: 4 ms of kernels" in md
     assert "ahla, gates g, K = V = 64, T = 1024: 2 ms of kernels" in md
+    normed = pk.render_markdown(dict(res, cases=[dict(res["cases"][1], op="hla2", normalize=True)]))
+    assert "hla2, gates g, normalized, K = V = 64, T = 1024: 2 ms of kernels" in normed
     assert "| `a_kernel` | 3 | 75% | 1 |" in md and "| `b_kernel` | 1 | 25% | 2 |" in md
     assert "the default configuration" in md
     changed = pk.render_markdown(dict(res, config={"bwd_layers": True}))

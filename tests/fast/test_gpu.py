@@ -104,6 +104,7 @@ def _assert_gradients_match(q, k, v, g, tol, normalize=False):
     (torch.bfloat16, 128, 128, False), (torch.float32, 64, 32, True), (torch.float32, 64, 64, False),
     (torch.bfloat16, 256, 192, False), (torch.float32, 160, 48, False),
     (torch.bfloat16, 32, 32, False), (torch.bfloat16, 32, 32, True), (torch.bfloat16, 16, 48, False),
+    (torch.bfloat16, 64, 64, True), (torch.bfloat16, 128, 128, True), (torch.float32, 128, 128, True),
 ])
 def test_gradients(dtype, K, V, normalize, poison):
     T, B, H = 2049, 1, 2

@@ -172,6 +172,86 @@ def test_kept_states_equal_recomputed(save, monkeypatch, device, poison):
         assert rel(x, y) < 1e-6
 
 
+def _normalized_grads(q, k, v, g, S0, W0, z0, weights, backend, cfg=None):
+    """Gradients of a random linear function of a normalized call's o and final state (S, W, z)
+    w.r.t. q, k, v, g and the initial state, on ``backend`` (float64 for "torch")."""
+    dt = torch.float64 if backend == "torch" else torch.float32
+    leaves = [x.detach().cpu().to(dt).to(q.device if backend == "triton" else "cpu").requires_grad_()
+              for x in (q, k, v, g, S0, W0, z0)]
+    o, fin = hla_fast.hla2(*leaves[:3], g=leaves[3], normalize=True, initial_state=hla_fast.HLA2State(*leaves[4:]),
+                           output_final_state=True, backend=backend, config=cfg, chunk_size=16)
+    loss = sum((x.double().cpu() * w).sum() for x, w in zip((o, *fin), weights))
+    return [o.detach(), *(x.detach() for x in fin)], torch.autograd.grad(loss, leaves)
+
+
+@pytest.mark.parametrize("V,changes", [
+    (24, {}), (24, {"save_states": False}), (24, {"bwd_segments": 2}), (24, {"bwd_segments": 3, "fwd_segments": 2}),
+    (24, {"bwd_pieces": 3}), (24, {"grad_parts": (1, 2, 4)}), (24, {"grad_parts": (7,)}), (70, {})],
+    ids=lambda x: str(x) if isinstance(x, int) else "-".join(f"{k}={v}" for k, v in x.items()) or "rule")
+def test_normalized_backward_carries_the_ones_column(V, changes, device, poison):
+    """A normalized call's backward differentiates the operator on [v | 1], the ones column carried
+    as dz beside dW in the kernels (not as a value block): in every backward layout (kept or
+    recomputed chunk states, segments, pieces, gradient launches, values wider than one block),
+    with gates, an initial state (S, W, z) and cotangents on the whole final state, every gradient
+    matches the float64 torch path."""
+    q, k, v, g, S0, W0, z0 = _inputs(device, V=V)
+    gen = torch.Generator().manual_seed(9)
+    weights = [torch.randn(x.shape, generator=gen, dtype=torch.float64) for x in (v, S0, W0, z0)]
+    cfg = SMALL.replace(**changes)
+    fin, got = _normalized_grads(q, k, v, g, S0, W0, z0, weights, "triton", cfg)
+    fin64, want = _normalized_grads(q, k, v, g, S0, W0, z0, weights, "torch")
+    for name, a, b in zip(["o", "S", "W", "z"], fin, fin64):
+        assert rel(a, b) < TOL, name
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "dS0", "dW0", "dz0"], got, want):
+        # dg is a reverse cumulative sum of differences of fp32 products: a few times fp32's rounding
+        assert rel(a, b) < (1e-4 if name == "dg" else TOL), name
+
+
+@pytest.mark.parametrize("dtype,V", [(torch.float32, 24), (torch.float32, 70), (torch.bfloat16, 64)])
+def test_normalized_output_gradient_in_one_pass(dtype, V, device, poison):
+    """normalized_output_grad splits dL/do of o = num / (den + eps) into do / d and
+    dd = -(do . o) / d, as written in float64 (rows not a multiple of a program's, V not a power of two)."""
+    from hla_fast.ops.common.normalize import normalized_output_grad
+
+    gen = torch.Generator().manual_seed(V)
+    do, o = (torch.randn(2, 37, 3, V, generator=gen).to(device, dtype) for _ in range(2))
+    den = (torch.rand(2, 37, 3, generator=gen) + 0.5).to(device)
+    num, dd = normalized_output_grad(do, o, den, 1e-3)
+    d = den.double().cpu() + 1e-3
+    want_dd = -(do.double().cpu() * o.double().cpu()).sum(-1) / d
+    assert num.dtype == dtype and dd.dtype == torch.float32 and dd.shape == den.shape
+    exact = 1e-6 if dtype == torch.float32 else 4e-3   # the quotient rounded to bf16 on store
+    assert rel(num, do.double().cpu() / d[..., None]) < exact
+    assert rel(dd, want_dd) < 1e-6
+
+
+def test_normalized_backward_runs_the_unnormalized_launches(monkeypatch, device):
+    """The ones column costs no launch: a normalized training call launches the kernels of an
+    unnormalized one, as often (one forward walk that keeps its chunk states, one backward walk,
+    the gradient launches of the config), where a value block for it would double the
+    backward's, plus two small parallel passes: the one that splits the output gradient
+    (normalized_grad_kernel) and the one that forms the ones column's vectors per chunk
+    (hla2_bwd_ones_kernel)."""
+    q, k, v, g, S0, W0, z0 = _inputs(device)
+    names = []
+    real = chunk.launch_kernel
+
+    def spy(kernel, grid, **kw):
+        names.append(kernel.fn.__name__)
+        return real(kernel, grid, **kw)
+
+    monkeypatch.setattr(chunk, "launch_kernel", spy)
+    runs = {}
+    for normalize in (False, True):
+        names.clear()
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, g)]
+        o, _ = hla_fast.hla2(*leaves[:3], g=leaves[3], normalize=normalize, backend="triton", config=SMALL)
+        (o * v).sum().backward()
+        runs[normalize] = sorted(names)
+    assert runs[True] == sorted(runs[False] + ["hla2_bwd_ones_kernel", "normalized_grad_kernel"])
+    assert runs[True].count("hla2_fwd_kernel") == 1 and runs[True].count("hla2_bwd_state_kernel") == 1
+
+
 @pytest.mark.parametrize("K,V,normalize", [(140, 8, True), (150, 12, False), (20, 140, False), (20, 140, True)])
 def test_wide_heads_with_carry_over(K, V, normalize, device, poison):
     q, k, v = rand_qkv(1, 30, 1, K, V, seed=K + V, scale=0.2, positive=normalize, device=device)
@@ -230,9 +310,28 @@ def test_configuration_rule(monkeypatch):
     assert (c.fwd_segments, c.bwd_segments, c.grad_parts) == (1, 1, (1, 6))
     c = hla_fast.hla2_config(4, 32768, 16, 128, 128, torch.float32, cuda)
     assert (c.fwd_chunk, c.bwd_chunk, c.bwd_warps, c.grad_parts, c.save_states) == (16, 16, 8, (1, 2, 4), True)
+    # fp32 at key tiles of 128: the fold of segments would not fit in shared memory, one segment
+    assert hla_fast.hla2_config(1, 2049, 2, 128, 128, torch.float32, cuda).fwd_segments == 1
+    assert hla_fast.hla2_config(1, 2049, 2, 128, 128, torch.bfloat16, cuda).fwd_segments > 1
+    assert hla_fast.hla2_config(1, 2049, 2, 64, 64, torch.float32, cuda).fwd_segments > 1
     c = hla_fast.hla2_config(4, 32768, 16, 64, 64, torch.float32, cpu, chunk_size=128)
     assert (c.fwd_chunk, c.bwd_chunk, c.fwd_segments, c.bwd_segments, c.save_states) == (128, 64, 1, 1, False)
     hla_fast.hla2_config.cache_clear()
+
+
+@pytest.mark.parametrize("dtype,K,folds", [(torch.float32, 128, False), (torch.float32, 64, True),
+                                            (torch.bfloat16, 128, True)])
+def test_forward_segments_only_where_the_fold_fits(dtype, K, folds):
+    """A config asking fp32 inputs with 128-wide key tiles for forward segments walks one segment:
+    their fold needs 256 KB of shared memory (an H200 refused it). Launches recorded, none run."""
+    from hla_fast.ops.common.compile import Recorder
+
+    q, k, v = (torch.empty(1, 2049, 2, K, dtype=dtype) for _ in range(3))
+    rec = Recorder()
+    chunk.fwd_launch(q, k, v, None, 0.9, None, None, None, chunk=16, segments=4, warps=4, block_v=64, launch=rec)
+    names = [kern.fn.__name__ for kern, _, _ in rec.launches]
+    assert ("hla2_fwd_fold_kernel" in names) == folds
+    assert rec.launches[-1][1][1] == (4 if folds else 1)   # the walk's grid: (value blocks, segments, heads)
 
 
 def test_config_reaches_the_backward(monkeypatch, device):

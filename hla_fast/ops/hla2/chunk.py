@@ -18,7 +18,9 @@ same; only the order of the launches and the buffer's size change).
 Normalization: the forward carries the denominator's state z beside W in the same kernels and
 divides in-kernel. The backward differentiates the unnormalized operator on the value [v | 1] with
 the output gradient [do / (den + eps) | -(do . o) / (den + eps)] (the denominator is the operator
-applied to a column of ones), so the same kernels give every gradient.
+applied to a column of ones). The ones column is not a value block: the backward kernels carry its
+state gradient dz beside dW and add its rank-one terms to the products over value columns
+(``dd`` in ``bwd_launch``), and the forward keeps z's chunk-start snapshots beside W's.
 
 Wide heads: a program holds a K x K and a K x V fp32 state, so tiles stop at TILE_MAX features. A
 wider head is cut into feature blocks a, b of at most FEATURE_BLOCK: since q . k is the sum of the
@@ -44,9 +46,10 @@ from ..common.launch import (
     bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments, plan_pieces,
     pow2_block, rule_pieces, run_pieces, split_segments, value_block,
 )
+from ..common.normalize import normalized_output_grad
 from .chunk_kernels import (
-    hla2_bwd_fold_kernel, hla2_bwd_grad_kernel, hla2_bwd_state_kernel, hla2_fwd_fold_kernel, hla2_fwd_kernel,
-    hla2_fwd_summary_kernel,
+    hla2_bwd_fold_kernel, hla2_bwd_grad_kernel, hla2_bwd_ones_kernel, hla2_bwd_state_kernel, hla2_fwd_fold_kernel,
+    hla2_fwd_kernel, hla2_fwd_summary_kernel,
 )
 
 # widest feature block one program holds (a K x K and a K x V fp32 state on chip)
@@ -88,14 +91,16 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
       one launch per gradient: the tf32x3 products made the gradient kernel a first training
       call's slowest compile, and a call's kernels compile in parallel (``hla2_h200_first_call_rule.md``,
       ``compile_report.py``; ``hla2_h200_fp32_layouts_first.json`` for the 8-warp layout not taken);
+    * fp32 inputs with key tiles wider than 64: one forward segment (``fold_fits``: the fold of
+      their segments does not fit in shared memory);
     * short sequences, at most SHORT_CHUNKS chunks, with heads up to 64 wide: one segment in both
       walks and, for bf16, every gradient in one launch (fp32 and fp16 inputs, whose tiles are fp32,
       keep theirs: one launch of fp32 tiles needs 320 KB of shared memory): a training call launches
       three kernels instead of eight, and there the host's work per launch outweighs the longer
       walk (``hla2_h200_short_layouts_first.md``, ``hla2_h200_short_layouts.md``);
     * the forward keeps its chunk-start states for the backward when both passes use one chunk
-      size and the backward runs one value block (not for normalize, whose backward runs on
-      [v | 1]): it saves the backward's recomputing walk (``hla2_h200_short_layouts.md``: at
+      size and the backward runs one value block (z's too when normalizing): it saves the
+      backward's recomputing walk (``hla2_h200_short_layouts.md``: at
       K = V = 64, T = 32k 5.35 against 5.97 ms forward + backward in one run);
     * heads wider than 64 with a one-segment backward walk over at least BWD_PIECES_MIN_CHUNKS
       chunks walk it in BWD_PIECES pieces (``common.launch.rule_pieces``): the chunk-end state
@@ -116,6 +121,8 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     n_fwd, n_bwd = cdiv(T, fwd_chunk), cdiv(T, bwd_chunk)
     n_v = cdiv(V, block_v)
     fwd_seg = one_wave_segments(n_v * B * H, n_fwd, device, 2 if fwd_warps == 4 else 1, MIN_SEGMENT_CHUNKS)
+    if not fold_fits(pow2_block(K, min_key_block(device)), dtype):
+        fwd_seg = 1
     bwd_seg = one_wave_segments(B * H, n_bwd, device, 2, MIN_SEGMENT_CHUNKS) if bwd_warps == 4 else 1
     keep = fwd_chunk == bwd_chunk and V <= bwd_value_width(K)
     # fp32: tf32x3 products; a gradient launch per gradient keeps each compile short
@@ -128,6 +135,15 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     return ChunkConfig(fwd_chunk=fwd_chunk, bwd_chunk=bwd_chunk, fwd_segments=fwd_seg, bwd_segments=bwd_seg,
                        fwd_warps=fwd_warps, bwd_warps=bwd_warps, fwd_block_v=block_v, grad_parts=grad_parts,
                        save_states=keep, bf16_snapshots=True, bwd_pieces=rule_pieces(wide, bwd_seg, n_bwd))
+
+
+def fold_fits(BK: int, dtype: torch.dtype) -> bool:
+    """Whether the forward's segment fold (``hla2_fwd_fold_kernel``) fits in shared memory for key
+    tiles BK wide: not for fp32 inputs (tf32x3 products) with tiles wider than 64 (256 KB at 128 by
+    an sm_90 compile, ``benchmarks/compile_report.py hla2 1 2049 2 128 128 float32``; an H200
+    refused the launch with OutOfResources). The same on every device, so the interpreter runs
+    the layouts a GPU does."""
+    return not (dtype == torch.float32 and BK > 64)
 
 
 def _inner_pair(q, k, q2, k2):
@@ -160,16 +176,19 @@ def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v
     q, k: [B, T, H, K]; q2, k2: [B, T, H, K2] or None (plain HLA2); v: [B, T, H, V]; g: [B, T, H]
     or None; all contiguous. s0, w0, z0: fp32 [B, H, K, K2], [B, H, K, V], [B, H, K] or None.
     outputs: compute o (else only states). normalize: carry z and divide by (den + eps).
-    snapshots: None, or the dtype to store every chunk-start state (S, W) in.
+    snapshots: None, or the dtype to store every chunk-start state (S, W) in (z, when normalizing,
+    in fp32).
     Returns (o [B, T, H, V] or None, den [B, T, H] fp32 or None, S_T, W_T, z_T or None,
-    (cs_s [B*H, NT, K, K2], cs_w [B*H, NT, K, V]) or None)."""
+    (cs_s [B*H, NT, K, K2], cs_w [B*H, NT, K, V], cs_z [B*H, NT, K] or None) or None)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     q2, k2, K2, BK = _inner_pair(q, k, q2, k2)
     BH, dev, f32 = B * H, q.device, torch.float32
     BV = value_block(V, block_v, dev)
     NV, NT = cdiv(V, BV), cdiv(T, chunk)
-    NS, nseg = split_segments(NT, segments)
+    # the fold's fp32 product of a 128-wide S with C in tf32x3 needs 256 KB of shared memory (past
+    # Hopper's 227): such heads walk in one segment (as the backward's walk does, ``bwd_launch``)
+    NS, nseg = split_segments(NT, 1 if not fold_fits(BK, q.dtype) else segments)
     flags, lg = _common(q, gamma, g)
     kw = dict(H=H, K=K, K2=K2, V=V, BT=chunk, BK=BK, BV=BV, num_warps=warps, num_stages=stages, **flags)
     h0 = (s0, w0, z0 if normalize else None)
@@ -197,18 +216,21 @@ def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v
           torch.empty(B, H, K, device=dev, dtype=f32) if normalize else None) if store_final else (None, None, None)
     cs = None
     if snapshots is not None:
-        cs = (torch.empty(BH, NT, K, K2, device=dev, dtype=snapshots), torch.empty(BH, NT, K, V, device=dev, dtype=snapshots))
+        cs = (torch.empty(BH, NT, K, K2, device=dev, dtype=snapshots), torch.empty(BH, NT, K, V, device=dev, dtype=snapshots),
+              torch.empty(BH, NT, K, device=dev, dtype=f32) if normalize else None)
     launch(hla2_fwd_kernel, (NV, nseg, BH),
         q=q, k=k, q2=q2, k2=k2, v=v, g=g, o=o, den=den,
         h0_s=h0[0], h0_w=h0[1], h0_z=h0[2], ht_s=ht[0], ht_w=ht[1], ht_z=ht[2],
-        cs_s=None if cs is None else cs[0], cs_w=None if cs is None else cs[1],
+        cs_s=None if cs is None else cs[0], cs_w=None if cs is None else cs[1], cs_z=None if cs is None else cs[2],
         log_gamma=lg, eps=eps, T=T, NS=NS, **kw)
     return o, den, ht[0], ht[1], ht[2], cs
 
 
 def _value_split(fn, v, do, w0, dht_w, width):
     """Run ``fn`` per value block of at most ``width`` columns (the operator is linear in v) and
-    combine: sums for the q, k and state-S gradients and db, concatenation for dv and dW0."""
+    combine: sums for the q, k and state-S gradients and db, concatenation for dv and dW0; the
+    first block alone carries what is not per column (dS_T, and a normalized call's ones column,
+    whose dz0 it returns)."""
     outs = []
     for j, (a, b) in enumerate(even_blocks(v.shape[-1], width)):
         outs.append(fn(v[..., a:b].contiguous(), do[..., a:b].contiguous(),
@@ -221,26 +243,33 @@ def _value_split(fn, v, do, w0, dht_w, width):
     def cat(i):
         return None if outs[0][i] is None else torch.cat([o[i] for o in outs], -1)
 
-    return total(0), total(1), total(2), total(3), cat(4), total(5), cat(6), total(7)
+    return total(0), total(1), total(2), total(3), cat(4), total(5), cat(6), total(7), outs[0][8]
 
 
 def bwd_launch(q, k, v, do, g, gamma, s0, w0, dht_s, dht_w, cfg: ChunkConfig, *, q2=None, k2=None,
-               states=None, want_db=False, launch=launch_kernel):
-    """Gradients of the unnormalized (cross) operator.
+               states=None, want_db=False, dd=None, z0=None, dht_z=None, launch=launch_kernel):
+    """Gradients of the unnormalized (cross) operator, on the value [v | 1] when ``dd`` is given.
 
     q, k: [B, T, H, K]; q2, k2: [B, T, H, K2] or None; v, do: [B, T, H, V]; g: [B, T, H] or None;
     s0, w0: initial state or None; dht_s [B, H, K, K2], dht_w [B, H, K, V]: gradient of the final
-    state or None. states: the chunk-start snapshots (cs_s, cs_w) a forward with chunk
+    state or None. states: the chunk-start snapshots (cs_s, cs_w, cs_z) a forward with chunk
     ``cfg.bwd_chunk`` stored, or None to recompute them. want_db: also return dL/db [B, T, H] fp32
     (without the final state's share).
+    dd: None, or the output gradient [B, T, H] fp32 of a column of ones appended to v (a normalized
+    call's denominator, not a cross pair): the kernels carry that column's state z beside W (z0
+    [B, H, K] fp32 or None its start, dht_z its final gradient or None) instead of a value block.
     Returns dq, dk, dq2, dk2 (None unless cross; input dtypes), dv, dS0, dW0 (fp32, None without
-    s0), db (or None)."""
+    s0), db (or None), dz0 (fp32; None without s0 or dd)."""
     V = v.shape[-1]
     width = _bwd_width(q, q2)
+    norm = dd is not None
+    if norm and q2 is not None:
+        raise ValueError("a normalized backward (dd) needs the plain operator, not a cross pair")
     if V > width:
         def block(vb, dob, w0b, dhtb, first):
             return bwd_launch(q, k, vb, dob, g, gamma, s0, w0b, dht_s if first else None, dhtb, cfg,
-                              q2=q2, k2=k2, want_db=want_db, launch=launch)
+                              q2=q2, k2=k2, want_db=want_db, dd=dd if first else None, z0=z0 if first else None,
+                              dht_z=dht_z if first else None, launch=launch)
         return _value_split(block, v, do, w0, dht_w, width)
     B, T, H, K = q.shape
     cross = q2 is not None
@@ -251,72 +280,88 @@ def bwd_launch(q, k, v, do, g, gamma, s0, w0, dht_s, dht_w, cfg: ChunkConfig, *,
     NT = cdiv(T, BT)
     snap = _snapshot_dtype(cfg, q.dtype)
     if states is None or states[0].dtype != snap:
-        states = fwd_launch(q, k, v, g, gamma, s0, w0, None, chunk=BT, segments=cfg.fwd_segments, warps=nw,
+        states = fwd_launch(q, k, v, g, gamma, s0, w0, z0, chunk=BT, segments=cfg.fwd_segments, warps=nw,
                             block_v=cfg.fwd_block_v, q2=q2, k2=k2, stages=cfg.bwd_stages, outputs=False,
-                            store_final=False, snapshots=snap, launch=launch)[5]
-    cs_s, cs_w = states
+                            normalize=norm, store_final=False, snapshots=snap, launch=launch)[5]
+    cs_s, cs_w, cs_z = states
     do = do.contiguous()
     flags, lg = _common(q, gamma, g)
     common = dict(H=H, K=K, K2=K2, V=V, BT=BT, BK=BK, BV=BV, num_warps=nw, num_stages=cfg.bwd_stages, **flags)
-    has_dht = dht_s is not None or dht_w is not None
+    has_dht = dht_s is not None or dht_w is not None or (norm and dht_z is not None)
     if has_dht:
         dht_s = torch.zeros(B, H, K, K2, device=dev, dtype=f32) if dht_s is None else dht_s.float().contiguous()
         dht_w = torch.zeros(B, H, K, V, device=dev, dtype=f32) if dht_w is None else dht_w.float().contiguous()
-    dh0 = ((torch.empty(B, H, K, K2, device=dev, dtype=f32), torch.empty(B, H, K, V, device=dev, dtype=f32))
-           if s0 is not None else (None, None))
+        if norm:
+            dht_z = torch.zeros(B, H, K, device=dev, dtype=f32) if dht_z is None else dht_z.float().contiguous()
+    if not (has_dht and norm):
+        dht_z = None
+
+    def z_buf(*shape):   # the ones column's state gradient (normalized calls only)
+        return torch.empty(*shape, K, device=dev, dtype=f32) if norm else None
+
+    dh0 = ((torch.empty(B, H, K, K2, device=dev, dtype=f32), torch.empty(B, H, K, V, device=dev, dtype=f32),
+            z_buf(B, H)) if s0 is not None else (None, None, None))
     # segments cannot fold 128 x 128 fp32 products in shared memory: such heads walk in one
     NS, nseg = split_segments(NT, 1 if (BK > 64 and BV > 64) else cfg.bwd_segments)
-    de = (dht_s, dht_w) if has_dht else (None, None)
+    ones = (None, None)
+    if norm:   # the ones column's two vectors per chunk, for the walks
+        ones = (torch.empty(BH, NT, K, device=dev, dtype=f32), torch.empty(BH, NT, K, device=dev, dtype=f32))
+        launch(hla2_bwd_ones_kernel, (NT, BH), q=q, g=g, dd=dd, ones_u=ones[0], ones_w=ones[1], log_gamma=lg, T=T,
+               H=H, K=K, BT=BT, BK=BK, HAS_DECAY=flags["HAS_DECAY"], num_warps=4)
+    de = (dht_s, dht_w, dht_z) if has_dht else (None, None, None)
     walk_dh0 = dh0
     if nseg > 1:
         # -- backward summaries of the segments from a zero end gradient, folded last to first -----
         sum_s = torch.empty(BH * nseg, K, K2, device=dev, dtype=f32)
         sum_w = torch.empty(BH * nseg, K, V, device=dev, dtype=f32)
+        sum_z = z_buf(BH * nseg)
         sum_p = torch.empty(BH * nseg, V, K2, device=dev, dtype=f32)
+        sum_pz = torch.empty(BH * nseg, K2, device=dev, dtype=f32) if norm else None
         sum_lr = torch.empty(BH * nseg, device=dev, dtype=f32)
         launch(hla2_bwd_state_kernel, (nseg, BH),
-            q=q, q2=q2, v=v, do=do, g=g, ds_end=sum_s, dw_end=sum_w, de_s=None, de_w=None, dh0_s=None, dh0_w=None,
-            sum_p=sum_p, sum_lr=sum_lr, log_gamma=lg, T=T, NS=NS, C0=0, NP=NT, **common)
-        de = (torch.empty(BH * nseg, K, K2, device=dev, dtype=f32), torch.empty(BH * nseg, K, V, device=dev, dtype=f32))
+            q=q, q2=q2, v=v, do=do, g=g, dd=dd, ones_u=ones[0], ones_w=ones[1], ds_end=sum_s, dw_end=sum_w, dz_end=sum_z, de_s=None, de_w=None,
+            de_z=None, dh0_s=None, dh0_w=None, dh0_z=None, sum_p=sum_p, sum_pz=sum_pz, sum_lr=sum_lr,
+            log_gamma=lg, T=T, NS=NS, C0=0, NP=NT, **common)
+        de = (torch.empty(BH * nseg, K, K2, device=dev, dtype=f32), torch.empty(BH * nseg, K, V, device=dev, dtype=f32),
+              z_buf(BH * nseg))
         launch(hla2_bwd_fold_kernel, (BH,),
-            sum_s=sum_s, sum_w=sum_w, sum_p=sum_p, sum_lr=sum_lr, dht_s=dht_s if has_dht else None,
-            dht_w=dht_w if has_dht else None, de_s=de[0], de_w=de[1], dh0_s=dh0[0], dh0_w=dh0[1], NSEG=nseg,
+            sum_s=sum_s, sum_w=sum_w, sum_z=sum_z, sum_p=sum_p, sum_pz=sum_pz, sum_lr=sum_lr,
+            dht_s=dht_s if has_dht else None, dht_w=dht_w if has_dht else None, dht_z=dht_z,
+            de_s=de[0], de_w=de[1], de_z=de[2], dh0_s=dh0[0], dh0_w=dh0[1], dh0_z=dh0[2], NSEG=nseg,
             K=K, K2=K2, V=V, BK=BK, BV=BV, PREC=flags["PREC"], num_warps=nw)
-        walk_dh0 = (None, None)
+        walk_dh0 = (None, None, None)
     # -- the walk (every chunk's end-state gradient), then every chunk's gradients in the launches
     #    the config names; piece by piece, the last first, each walk starting from the gradient
     #    the later piece left at its start --------------------------------------------------------
     starts, NP = plan_pieces(NT, cfg, nseg)
     ds_end = torch.empty(BH, NP, K, K2, device=dev, dtype=cs_s.dtype)
     dw_end = torch.empty(BH, NP, K, V, device=dev, dtype=cs_w.dtype)
+    dz_end = z_buf(BH, NP)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dq2 = torch.empty_like(q2) if cross else dq
     dk2 = torch.empty_like(k2) if cross else dk
     db = torch.empty(len(cfg.grad_parts), B, T, H, device=dev, dtype=f32) if want_db else None
 
-    def pair(zero):
+    def pair(zero):   # a state gradient (dS, dW, dz): dz only when normalizing
         new = torch.zeros if zero else torch.empty
-        return new(BH, K, K2, device=dev, dtype=f32), new(BH, K, V, device=dev, dtype=f32)
+        return (new(BH, K, K2, device=dev, dtype=f32), new(BH, K, V, device=dev, dtype=f32),
+                new(BH, K, device=dev, dtype=f32) if norm else None)
 
     def step(c0, n, end_grad, start_grad):
         launch(hla2_bwd_state_kernel, (nseg, BH),
-            q=q, q2=q2, v=v, do=do, g=g, ds_end=ds_end, dw_end=dw_end, de_s=end_grad[0], de_w=end_grad[1],
-            dh0_s=start_grad[0], dh0_w=start_grad[1], sum_p=None, sum_lr=None, log_gamma=lg, T=T, NS=NS,
+            q=q, q2=q2, v=v, do=do, g=g, dd=dd, ones_u=ones[0], ones_w=ones[1], ds_end=ds_end, dw_end=dw_end, dz_end=dz_end,
+            de_s=end_grad[0], de_w=end_grad[1], de_z=end_grad[2], dh0_s=start_grad[0], dh0_w=start_grad[1],
+            dh0_z=start_grad[2], sum_p=None, sum_pz=None, sum_lr=None, log_gamma=lg, T=T, NS=NS,
             C0=c0, NP=NP, **common)
         for i, parts in enumerate(cfg.grad_parts):
             launch(hla2_bwd_grad_kernel, (n, BH),
-                q=q, k=k, q2=q2, k2=k2, v=v, do=do, g=g, dq=dq, dk=dk, dq2=dq2, dk2=dk2, dv=dv,
-                db=None if db is None else db[i], cs_s=cs_s, cs_w=cs_w, ds_end=ds_end, dw_end=dw_end,
-                log_gamma=lg, T=T, C0=c0, NP=NP, CROSS=cross, PARTS=parts, **common)
+                q=q, k=k, q2=q2, k2=k2, v=v, do=do, g=g, dd=dd, dq=dq, dk=dk, dq2=dq2, dk2=dk2, dv=dv,
+                db=None if db is None else db[i], cs_s=cs_s, cs_w=cs_w, cs_z=cs_z, ds_end=ds_end, dw_end=dw_end,
+                dz_end=dz_end, log_gamma=lg, T=T, C0=c0, NP=NP, CROSS=cross, PARTS=parts, **common)
 
     run_pieces(starts, NP, NT, de, walk_dh0, pair, step)
     return (dq, dk, dq2 if cross else None, dk2 if cross else None, dv, dh0[0], dh0[1],
-            None if db is None else db.sum(0))
-
-
-def _cat_last(a, b):
-    """[a | b] along the last dim, b a vector per row (None when a is None)."""
-    return None if a is None else torch.cat([a, b[..., None].to(a.dtype)], -1)
+            None if db is None else db.sum(0), dh0[2])
 
 
 class HLA2ChunkFunction(torch.autograd.Function):
@@ -334,14 +379,13 @@ class HLA2ChunkFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         V = v.shape[-1]
         grads = any(ctx.needs_input_grad[:9])
-        save = (grads and cfg.save_states and not normalize and cfg.fwd_chunk == cfg.bwd_chunk
-                and V <= _bwd_width(q, q2))
+        save = grads and cfg.save_states and cfg.fwd_chunk == cfg.bwd_chunk and V <= _bwd_width(q, q2)
         snap = _snapshot_dtype(cfg, q.dtype) if save else None
         o, den, sT, wT, zT, cs = fwd_launch(
             q, k, v, g, gamma, s0, w0, z0, chunk=cfg.fwd_chunk, segments=cfg.fwd_segments, warps=cfg.fwd_warps,
             block_v=cfg.fwd_block_v, q2=q2, k2=k2, stages=cfg.fwd_stages, normalize=normalize, eps=eps,
             snapshots=snap, launch=launch)
-        cs = (None, None) if cs is None else cs
+        cs = (None, None, None) if cs is None else cs
         # the final state is read back only for the log-gates' gradient (its own factor e^{b_T})
         final = (sT, wT, zT) if g is not None and ctx.needs_input_grad[5] else (None, None, None)
         ctx.save_for_backward(q, k, q2, k2, v, g, s0, w0, z0, o if normalize else None, den, *final, *cs)
@@ -351,40 +395,32 @@ class HLA2ChunkFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, do, dsT, dwT, dzT):
-        q, k, q2, k2, v, g, s0, w0, z0, o, den, sT, wT, zT, cs_s, cs_w = ctx.saved_tensors
+        q, k, q2, k2, v, g, s0, w0, z0, o, den, sT, wT, zT, cs_s, cs_w, cs_z = ctx.saved_tensors
         want_dg = g is not None and ctx.needs_input_grad[5]
         if do is None:
             do = torch.zeros_like(v)
-        V = v.shape[-1]
+        dd = None
         if ctx.normalize:
-            # o = num / (den + eps): the unnormalized operator on [v | 1] with gradient [do / d | -(do . o) / d]
-            d = (den + ctx.eps)[..., None]
-            do_f = do.float()
-            do = torch.cat([do_f / d, -(do_f * o.float()).sum(-1, keepdim=True) / d], -1).to(v.dtype)
-            v = torch.cat([v, torch.ones_like(v[..., :1])], -1)
-            if s0 is not None:
-                w0 = _cat_last(w0, z0 if z0 is not None else torch.zeros_like(w0[..., 0]))
-            if dwT is not None or dzT is not None:
-                dwT = dzT.new_zeros(*dzT.shape, V) if dwT is None else dwT
-                dzT = dwT.new_zeros(dwT.shape[:-1]) if dzT is None else dzT
-                dwT = _cat_last(dwT, dzT)
-            wT = _cat_last(wT, zT)
-        dq, dk, dq2, dk2, dv, ds0, dw0, db = bwd_launch(
+            # o = num / (den + eps): the unnormalized operator on [v | 1] (the kernels carry the ones
+            # column as z beside W) with output gradient [do / d | dd], dd = -(do . o) / d
+            do, dd = normalized_output_grad(do, o, den, ctx.eps, launch=ctx.launch)
+            if s0 is not None and z0 is None:
+                z0 = torch.zeros_like(w0[..., 0])
+        dq, dk, dq2, dk2, dv, ds0, dw0, db, dz0 = bwd_launch(
             q, k, v, do, g, ctx.gamma, s0, w0, dsT, dwT, ctx.cfg, q2=q2, k2=k2,
-            states=None if cs_s is None else (cs_s, cs_w), want_db=want_dg, launch=ctx.launch)
-        dz0 = None
-        if ctx.normalize:
-            dv = dv[..., :V]
-            if dw0 is not None:
-                dw0, dz0 = dw0[..., :V].contiguous(), dw0[..., V].contiguous()
+            states=None if cs_s is None else (cs_s, cs_w, cs_z), want_db=want_dg, dd=dd, z0=z0,
+            dht_z=dzT if ctx.normalize else None, launch=ctx.launch)
         dg = None
         if want_dg:
-            # the final state S_T carries exp(b_T - b_i), W_T exp(2 b_T - b_i - b_j): their share of dL/db_T
+            # the final state S_T carries exp(b_T - b_i), W_T and z_T exp(2 b_T - b_i - b_j): their
+            # share of dL/db_T
             last = torch.zeros(db.shape[0], db.shape[2], device=db.device, dtype=db.dtype)
             if dsT is not None:
                 last = last + (sT * dsT).sum((-1, -2))
             if dwT is not None:
                 last = last + 2 * (wT * dwT.float()).sum((-1, -2))
+            if dzT is not None:
+                last = last + 2 * (zT * dzT.float()).sum(-1)
             db[:, -1] += last
             dg = reverse_cumsum(db).to(g.dtype)
         return dq, dk, dq2, dk2, dv, dg, ds0, dw0, dz0, None, None, None, None, None

@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 
 from ..common.tiles import (
-    cast, chunk_factors, dot, load_cols, load_mat, load_mat_t, load_rows, load_vec, mat_or_zeros, store_mat, vec_or_zeros,
+    cast, chunk_factors, dot, load_cols, load_mat, load_mat_t, load_rows, load_vec, mat_or_zeros, read_rows, store_mat,
+    vec_or_zeros,
 )
 
 # ============================================================================ forward: one chunk
@@ -123,7 +124,7 @@ def _head_offsets(i_bh, T, H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V
     "HAS_O": lambda a: a["o"] is not None,
     "SAVE_STATES": lambda a: a["cs_s"] is not None,
     "STORE_FINAL": lambda a: a["ht_s"] is not None,
-    "NORM": lambda a: a["den"] is not None,
+    "NORM": lambda a: a["den"] is not None or a["cs_z"] is not None,
 })
 @triton.jit
 def hla2_fwd_kernel(
@@ -131,7 +132,8 @@ def hla2_fwd_kernel(
     o, den,              # out: o [B, T, H, V] or None; den [B, T, H] fp32 (normalize) or None
     h0_s, h0_w, h0_z,    # start state of every segment, fp32 [B*H*NSEG, K, K2], [.., K, V], [.., K]; or None
     ht_s, ht_w, ht_z,    # out: final state [B*H, K, K2], [B*H, K, V], [B*H, K]; or None
-    cs_s, cs_w,          # out: chunk-start snapshots [B*H, NT, K, K2], [B*H, NT, K, V]; or None
+    cs_s, cs_w, cs_z,    # out: chunk-start snapshots [B*H, NT, K, K2], [B*H, NT, K, V], fp32 [B*H, NT, K]
+                         #      (z: when normalizing); or None
     log_gamma, eps, T, NS,  # log(gamma) (without g), normalizer eps, sequence length, chunks per segment
     H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -141,7 +143,9 @@ def hla2_fwd_kernel(
 ):
     """One program per (value block, segment, batch*head) walks its segment's chunks in order,
     keeping S, its block of W (and z) in fp32 registers: outputs (HAS_O, normalized when NORM),
-    chunk-start snapshots (SAVE_STATES) and the final state (STORE_FINAL, last segment)."""
+    chunk-start snapshots (SAVE_STATES) and the final state (STORE_FINAL, last segment). NORM:
+    carry z (the forward of a normalized call, or the backward's recomputing walk, which then
+    keeps z's snapshots)."""
     # -- which piece of work this program owns ---------------------------------------------
     i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NSEG = tl.num_programs(1)
@@ -174,6 +178,8 @@ def hla2_fwd_kernel(
             # the state at this chunk's start (S once, by the first value block)
             if i_v == 0:
                 store_mat(cs_s + (i_bh.to(tl.int64) * NT + i_c) * K * K2, S, rk, mk, rk, mk2, K2)
+                if NORM:
+                    tl.store(cs_z + (i_bh.to(tl.int64) * NT + i_c) * K + rk, z, mask=mk)
             store_mat(cs_w + (i_bh.to(tl.int64) * NT + i_c) * K * V, W, rk, mk, rv, mv, V)
         if HAS_O:
             b_q = load_rows(q + off_k, t, mt, rk, mk, H * K, IS_BF16)               # [BT, BK]
@@ -303,11 +309,17 @@ def _bwd_chunk_grads(
     b_s0, b_s0t, b_w0t,              # chunk-start state S0 [BK, BK], S0^T, W0^T [BV, BK]
     d_s, d_st, d_w, d_wt,            # gradient of the chunk-end state (and transposes), fp32
     G, g1, g2, gl, gC, lower, upper,  # decays and masks of the chunk
-    CROSS: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
+    b_dd, z0, d_z,                   # NORM: the ones column's output gradient [BT], z0 [BK], dz [BK]
+    CROSS: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr,
+    DV1: tl.constexpr,               # NORM: also the ones column's value gradient dv1 (for dL/db)
 ):
-    """Gradients of one chunk (fp32): returns dq, dk, dq2, dk2, dv.
+    """Gradients of one chunk (fp32): returns dq, dk, dq2, dk2, dv and (DV1) dv1 [BT].
 
-    Not CROSS: dq2 and dk2 already hold the whole gradient of q and k (dq, dk are partial)."""
+    Not CROSS: dq2 and dk2 already hold the whole gradient of q and k (dq, dk are partial).
+    NORM: the value is [V | 1] (a column of ones, whose output is the denominator) with output
+    gradient [dO | dd], start state [W0 | z0] and end-state gradient [dW | dz]. Every product over
+    value columns gains the ones column's rank-1 term (marked "ones" below), and dv1 is that
+    column's value gradient (only the gates' dL/db reads it)."""
     GT = tl.trans(G)  # G^T of an elementwise tile (not of a dot result)
 
     # -- recompute the forward's chunk matrices ----------------------------------------------
@@ -315,6 +327,9 @@ def _bwd_chunk_grads(
     b_y = tl.dot(b_k2, b_q2t, input_precision=PREC)     # Y = K2 Q2^T
     b_a = b_x * G                 # A
     b_ym = tl.where(upper, b_y, 0.0)                    # Ym
+    if NORM:   # the ones column's vectors, formed while their tiles are live
+        ym_gl = tl.sum(b_ym * gl[None, :], axis=1)                  # Ym gl  [BT]
+        kg_dz = tl.sum(b_k.to(tl.float32) * d_z[None, :], axis=1) * gl   # diag(gl) K dz  [BT]
     if CROSS:
         b_at = tl.dot(b_k, b_qt, input_precision=PREC) * GT  # A^T
         b_xm = tl.where(lower, tl.dot(b_q2, b_k2t, input_precision=PREC), 0.0)      # Ym^T
@@ -322,8 +337,13 @@ def _bwd_chunk_grads(
         b_at = b_y * GT
         b_xm = tl.where(lower, b_x, 0.0)
     # dN = (dO V^T) o G and its transpose (V dO^T) o G^T
-    b_dn = tl.dot(b_do, b_vt, input_precision=PREC) * G
-    b_dnt = tl.dot(b_v, b_dot, input_precision=PREC) * GT
+    b_dn = tl.dot(b_do, b_vt, input_precision=PREC)
+    b_dnt = tl.dot(b_v, b_dot, input_precision=PREC)
+    if NORM:   # ones: dd 1^T and 1 dd^T
+        b_dn += b_dd[:, None]
+        b_dnt += b_dd[None, :]
+    b_dn = b_dn * G
+    b_dnt = b_dnt * GT
     b_qs = tl.dot(b_q, b_s0, input_precision=PREC)      # Q S0     [BT, K2]
     b_qst = tl.dot(b_q2, b_s0t, input_precision=PREC)   # Q2 S0^T  [BT, K]
     b_kg = cast(b_k * gl[:, None], IS_BF16)
@@ -344,15 +364,27 @@ def _bwd_chunk_grads(
     b_xk = tl.dot(c_xm, b_kg, input_precision=PREC)
     b_dvg = dot(b_qst, c_dw, IS_BF16, PREC) * gC + dot(b_xk, c_dw, IS_BF16, PREC)
     b_dv += b_dvg * gl[:, None]
+    if DV1:   # ones: the same rows against dd and dz
+        b_dv1 = tl.sum(b_mt * b_dd[None, :], axis=1)
+        b_dv1 += (tl.sum(b_qst * d_z[None, :], axis=1) * gC + tl.sum(b_xk * d_z[None, :], axis=1)) * gl
+    else:
+        b_dv1 = 0.0
 
     # -- dQ (outer): diag(g2) dO W0^T + diag(g1) dN Q2 S0^T + ((dN Ym^T) o G) K --------------
-    b_dq = tl.dot(b_do, b_w0t, input_precision=PREC) * g2[:, None]
+    b_dq = tl.dot(b_do, b_w0t, input_precision=PREC)
+    if NORM:   # ones: dd z0^T
+        b_dq += b_dd[:, None] * z0[None, :]
+    b_dq = b_dq * g2[:, None]
     b_dnq = tl.dot(c_dn, b_q2, input_precision=PREC)
     b_dq += dot(b_dnq, b_s0t, IS_BF16, PREC) * g1[:, None]
     b_dx = tl.dot(c_dn, c_xm, input_precision=PREC) * G
     # -- dQ2 (inner): ((dN^T A) o L) K2 + ((Vg dW^T Kg^T) o L) K2 + dN^T diag(g1) Q S0 + gC Vg dW^T S0
     b_dx2 = tl.where(lower, dot(c_dnt, b_a, IS_BF16, PREC), 0.0)
-    b_f = cast(tl.dot(b_vg, c_dwt, input_precision=PREC), IS_BF16)
+    if NORM:   # ones: gl dz^T, the product's starting accumulator
+        b_f = tl.dot(b_vg, c_dwt, acc=gl[:, None] * d_z[None, :], input_precision=PREC)   # Vg dW^T [BT, BK]
+    else:
+        b_f = tl.dot(b_vg, c_dwt, input_precision=PREC)
+    b_f = cast(b_f, IS_BF16)
     b_dx2 += tl.where(lower, tl.dot(b_f, b_kgt, input_precision=PREC), 0.0)
     if CROSS:
         b_dq += dot(b_dx, b_k, IS_BF16, PREC)
@@ -366,10 +398,14 @@ def _bwd_chunk_grads(
     b_dxt = tl.dot(c_ym, c_dnt, input_precision=PREC) * GT
     b_yv = tl.dot(c_ym, b_vg, input_precision=PREC)
     b_dkg = dot(b_yv, c_dwt, IS_BF16, PREC)
+    if NORM:   # ones: (Ym gl) dz^T
+        b_dkg += ym_gl[:, None] * d_z[None, :]
     # -- dK2 (inner): ((A^T dN) o U) Q2 + ((Kg dW Vg^T) o U) Q2 + diag(gl) K dS -------------
     b_dy = tl.where(upper, dot(b_at, c_dn, IS_BF16, PREC), 0.0)
     b_e = tl.dot(b_kg, c_dw, input_precision=PREC)
     b_dy += tl.where(upper, dot(b_e, b_vgt, IS_BF16, PREC), 0.0)
+    if NORM:   # ones: (Kg dz) gl^T
+        b_dy += tl.where(upper, kg_dz[:, None] * gl[None, :], 0.0)
     if CROSS:
         b_dk = dot(b_dxt, b_q, IS_BF16, PREC)
         b_dkg += dot(b_k2, d_st, IS_BF16, PREC)
@@ -380,17 +416,21 @@ def _bwd_chunk_grads(
         b_dk = dot(b_dxt + b_dy, b_q, IS_BF16, PREC)
         b_dkg += dot(b_k, d_s + d_st, IS_BF16, PREC)
         b_dk2 = b_dk + b_dkg * gl[:, None]
-    return b_dq, b_dk, b_dq2, b_dk2, b_dv
+    return b_dq, b_dk, b_dq2, b_dk2, b_dv, b_dv1
 
 
 @triton.jit
-def _dstate_step(d_s, d_w, b_qt, b_q2, b_vgt, b_dn, b_do, g1, g2, gC,
-                 IS_BF16: tl.constexpr, PREC: tl.constexpr):
+def _dstate_step(d_s, d_w, b_qt, b_q2, b_vgt, b_dn, b_do, g1, g2, gC, b_ones,
+                 IS_BF16: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr):
     """Gradient of a chunk's start state from that of its end state:
 
-        dS0 = gC dS + gC dW (Vg^T Q2) + (Q^T diag(g1) dN) Q2,    dW0 = gC^2 dW + Q^T diag(g2) dO."""
+        dS0 = gC dS + gC dW (Vg^T Q2) + (Q^T diag(g1) dN + ones) Q2,    dW0 = gC^2 dW + Q^T diag(g2) dO,
+
+    ones (NORM): a [BK, BT] term that enters dS0 through Q2 (a normalized walk's gC dz gl^T)."""
     b_vq = tl.dot(b_vgt, b_q2, input_precision=PREC)                       # Vg^T Q2         [BV, BK]
     b_qdn = dot(b_qt * g1[None, :], b_dn, IS_BF16, PREC)                    # Q^T diag(g1) dN [BK, BT]
+    if NORM:
+        b_qdn += b_ones
     n_s = d_s * gC + dot(d_w, b_vq, IS_BF16, PREC) * gC + dot(b_qdn, b_q2, IS_BF16, PREC)
     n_w = d_w * (gC * gC) + dot(b_qt * g2[None, :], b_do, IS_BF16, PREC)
     return n_s, n_w
@@ -399,32 +439,68 @@ def _dstate_step(d_s, d_w, b_qt, b_q2, b_vgt, b_dn, b_do, g1, g2, gC,
 # ============================================================================ backward kernels
 
 
+@triton.heuristics({"HAS_G": lambda a: a["g"] is not None})
+@triton.jit
+def hla2_bwd_ones_kernel(
+    q, g, dd,          # q: [B, T, H, K]; g: [B, T, H] or None; dd: the ones column's output gradient, fp32 [B, T, H]
+    ones_u, ones_w,    # out: per chunk, fp32 [B*H, NT, K]: Q^T diag(g2) dd and Q^T gl
+    log_gamma, T,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    HAS_DECAY: tl.constexpr, HAS_G: tl.constexpr,
+):
+    """One program per (chunk, batch*head): the two vectors a normalized backward walk adds per
+    chunk for the ones column (plain operator, q2 = q), every chunk at once and in fp32."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    NT = tl.cdiv(T, BT)
+    row = (i_bh // H).to(tl.int64) * T * H + i_bh % H
+    t = i_c * BT + tl.arange(0, BT)
+    mt = t < T
+    rk = tl.arange(0, BK)
+    mk = rk < K
+    b_q = read_rows(q + row * K, t, mt, rk, mk, H * K).to(tl.float32)             # [BT, BK]
+    b_dd = tl.load(dd + row + t * H, mask=mt, other=0.0)                            # [BT]
+    G, g1, g2, gl, gC, bL = chunk_factors(g, row, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
+    off = (i_bh.to(tl.int64) * NT + i_c) * K
+    tl.store(ones_u + off + rk, tl.sum(b_q * (g2 * b_dd)[:, None], axis=0), mask=mk)
+    tl.store(ones_w + off + rk, tl.sum(b_q * gl[:, None], axis=0), mask=mk)
+
+
 @triton.heuristics({
     "HAS_G": lambda a: a["g"] is not None,
     "HAS_DHT": lambda a: a["de_s"] is not None,
     "STORE_DH0": lambda a: a["dh0_s"] is not None,
     "SUMMARY": lambda a: a["sum_p"] is not None,
+    "NORM": lambda a: a["dd"] is not None,
 })
 @triton.jit(do_not_specialize=["C0", "NP"])
 def hla2_bwd_state_kernel(
     q, q2, v, do, g,       # q: [B, T, H, K]; q2: [B, T, H, K2]; v, do: [B, T, H, V]; g or None
-    ds_end, dw_end,        # out: gradient of each chunk's END state [B*H, NP, K, K2], [.., K, V],
-                           #      chunk C0 + i at i (SUMMARY: the segment's start-state gradient
-                           #      [B*H*NSEG, ..])
-    de_s, de_w,            # gradient of each segment's END state, fp32 [B*H*NSEG, ..]; or None (zero)
-    dh0_s, dh0_w,          # out: gradient of the initial state [B*H, ..]; or None
-    sum_p, sum_lr,         # SUMMARY out: P = sum_j exp(b_end - b_j) v_j q2_j^T [B*H*NSEG, V, K2],
-                           #              log rho [B*H*NSEG]; or None
+    dd,                    # NORM: output gradient of the ones column (the denominator), fp32 [B, T, H]; or None
+    ones_u, ones_w,        # NORM: each chunk's Q^T diag(g2) dd and Q2^T gl, fp32 [B*H, NT, K]
+                           #   (hla2_bwd_ones_kernel); or None
+    ds_end, dw_end, dz_end,  # out: gradient of each chunk's END state [B*H, NP, K, K2], [.., K, V],
+                           #      fp32 [.., K] (NORM), chunk C0 + i at i (SUMMARY: the segment's
+                           #      start-state gradient [B*H*NSEG, ..])
+    de_s, de_w, de_z,      # gradient of each segment's END state, fp32 [B*H*NSEG, ..]; or None (zero)
+    dh0_s, dh0_w, dh0_z,   # out: gradient of the initial state [B*H, ..]; or None
+    sum_p, sum_pz, sum_lr,  # SUMMARY out: P = sum_j exp(b_end - b_j) v_j q2_j^T [B*H*NSEG, V, K2],
+                           #   its ones row [.., K2] (NORM), log rho [B*H*NSEG]; or None
     log_gamma, T, NS,
     C0, NP,                # the walk covers chunks [C0, min(C0 + NP, NT)) (a piece of the sequence)
     H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
     HAS_G: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, SUMMARY: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """One program per (segment, batch*head) walks its chunks from last to first carrying only the
     state gradients (dS, dW), storing each chunk's end-state gradient for the per-chunk kernel.
     SUMMARY: walk from a zero end gradient and store the segment's backward summary instead.
+    NORM: the value is [V | 1] with output gradient [dO | dd]; the ones column's state gradient
+    dz [BK] is carried beside dW (dz0 = gC^2 dz + Q^T diag(g2) dd, and dS0 gains gC dz (gl^T Q2)),
+    with Q^T diag(g2) dd per chunk from ``hla2_bwd_ones_kernel`` (row sums of the Q tiles here,
+    which the walk holds as dot operands, cost register spills), and Q2^T gl (the ones row of the
+    segment summary's P) from there too.
 
     C0, NP: the chunks this launch walks (segments of NS chunks from C0, none past C0 + NP or the
     last chunk) and the per-head length of the ds_end buffer. A backward in pieces walks the
@@ -441,14 +517,20 @@ def hla2_bwd_state_kernel(
     rk, rv, mk, mk2, mv = _feature_ranges(0, K, K2, V, BK, BV)
     d_s = mat_or_zeros(de_s, i_sg * K * K2, rk, mk, rk, mk2, K2, BK, BK, HAS_DHT)
     d_w = mat_or_zeros(de_w, i_sg * K * V, rk, mk, rv, mv, V, BK, BV, HAS_DHT)
+    if NORM:
+        d_z = vec_or_zeros(de_z, i_sg * K, rk, mk, BK, HAS_DHT)
     if SUMMARY:
         b_p = tl.zeros([BV, BK], dtype=tl.float32)
+        if NORM:
+            b_pz = tl.zeros([BK], dtype=tl.float32)
         log_after = 0.0  # log decay from the current chunk's end to the segment's end
     for i_r in range(0, hi - lo):
         i_c = hi - 1 - i_r
         if not SUMMARY:
             store_mat(ds_end + (i_bh.to(tl.int64) * NP + i_c - C0) * K * K2, d_s, rk, mk, rk, mk2, K2)
             store_mat(dw_end + (i_bh.to(tl.int64) * NP + i_c - C0) * K * V, d_w, rk, mk, rv, mv, V)
+            if NORM:
+                tl.store(dz_end + (i_bh.to(tl.int64) * NP + i_c - C0) * K + rk, d_z, mask=mk)
         t = i_c * BT + rt
         mt = t < T
         b_qt = load_cols(q + off_k, t, mt, rk, mk, H * K, IS_BF16)
@@ -457,41 +539,64 @@ def hla2_bwd_state_kernel(
         b_do = load_rows(do + off_v, t, mt, rv, mv, H * V, IS_BF16)
         G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
         b_vgt = cast(b_vt * gl[None, :], IS_BF16)
+        b_dn = tl.dot(b_do, b_vt, input_precision=PREC)
+        if NORM:
+            b_dd = tl.load(dd + off_g + t * H, mask=mt, other=0.0)                  # [BT]
+            b_dn += b_dd[:, None]                                                   # ones: dd 1^T
+            off_u = (i_bh.to(tl.int64) * NT + i_c) * K
+            # dS0's ones term gC dz (gl^T Q2), as a [BK, BT] term of the product with Q2 (an
+            # elementwise outer product added to dS instead spilled registers at K = 128)
+            b_ones = (d_z * gC)[:, None] * gl[None, :]
+            d_z = d_z * (gC * gC) + load_vec(ones_u + off_u, rk, mk)                # + Q^T diag(g2) dd
+        else:
+            b_ones = 0.0
         if SUMMARY:
             b_p += tl.dot(b_vgt, b_q2, input_precision=PREC) * tl.exp(log_after)
+            if NORM:
+                b_pz += load_vec(ones_w + off_u, rk, mk) * tl.exp(log_after)        # + Q2^T gl
             log_after += bL
-        b_dn = cast(tl.dot(b_do, b_vt, input_precision=PREC) * G, IS_BF16)
-        d_s, d_w = _dstate_step(d_s, d_w, b_qt, b_q2, b_vgt, b_dn, b_do, g1, g2, gC, IS_BF16, PREC)
+        b_dn = cast(b_dn * G, IS_BF16)
+        d_s, d_w = _dstate_step(d_s, d_w, b_qt, b_q2, b_vgt, b_dn, b_do, g1, g2, gC, b_ones, IS_BF16, PREC, NORM)
     if SUMMARY:
         store_mat(ds_end + i_sg * K * K2, d_s, rk, mk, rk, mk2, K2)
         store_mat(dw_end + i_sg * K * V, d_w, rk, mk, rv, mv, V)
         store_mat(sum_p + i_sg * V * K2, b_p, rv, mv, rk, mk2, K2)
         tl.store(sum_lr + i_sg, log_after)
+        if NORM:
+            tl.store(dz_end + i_sg * K + rk, d_z, mask=mk)
+            tl.store(sum_pz + i_sg * K2 + rk, b_pz, mask=mk2)
     elif STORE_DH0:
         store_mat(dh0_s + i_bh * K * K2, d_s, rk, mk, rk, mk2, K2)
         store_mat(dh0_w + i_bh * K * V, d_w, rk, mk, rv, mv, V)
+        if NORM:
+            tl.store(dh0_z + i_bh * K + rk, d_z, mask=mk)
 
 
 @triton.heuristics({
     "HAS_DHT": lambda a: a["dht_s"] is not None,
     "STORE_DH0": lambda a: a["dh0_s"] is not None,
+    "NORM": lambda a: a["sum_z"] is not None,
 })
 @triton.jit
 def hla2_bwd_fold_kernel(
-    sum_s, sum_w, sum_p, sum_lr,  # segments' backward summaries (SUMMARY walk)
-    dht_s, dht_w,                 # gradient of the final state, fp32 [B*H, ..]; or None
-    de_s, de_w,                   # out: gradient of each segment's END state [B*H*NSEG, ..]
-    dh0_s, dh0_w,                 # out: gradient of the initial state; or None
+    sum_s, sum_w, sum_z,          # segments' backward summaries (SUMMARY walk; sum_z: NORM, else None)
+    sum_p, sum_pz, sum_lr,
+    dht_s, dht_w, dht_z,          # gradient of the final state, fp32 [B*H, ..]; or None
+    de_s, de_w, de_z,             # out: gradient of each segment's END state [B*H*NSEG, ..]
+    dh0_s, dh0_w, dh0_z,          # out: gradient of the initial state; or None
     NSEG,
     K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PREC: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+    PREC: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, NORM: tl.constexpr,
 ):
     """Fold the backward summaries from the last segment to the first (the transpose of the
-    forward's fold, P = C^T):  dS <- rho dS + rho dW P + dS_seg,  dW <- rho^2 dW + dW_seg."""
+    forward's fold, P = C^T):  dS <- rho dS + rho dW P + dS_seg,  dW <- rho^2 dW + dW_seg;
+    NORM: dS gains rho dz pz^T (pz: P's ones row), dz <- rho^2 dz + dz_seg."""
     i_bh = tl.program_id(0)
     rk, rv, mk, mk2, mv = _feature_ranges(0, K, K2, V, BK, BV)
     d_s = mat_or_zeros(dht_s, i_bh.to(tl.int64) * K * K2, rk, mk, rk, mk2, K2, BK, BK, HAS_DHT)
     d_w = mat_or_zeros(dht_w, i_bh.to(tl.int64) * K * V, rk, mk, rv, mv, V, BK, BV, HAS_DHT)
+    if NORM:
+        d_z = vec_or_zeros(dht_z, i_bh.to(tl.int64) * K, rk, mk, BK, HAS_DHT)
     for i_r in range(0, NSEG):
         i_sg = i_bh.to(tl.int64) * NSEG + NSEG - 1 - i_r
         store_mat(de_s + i_sg * K * K2, d_s, rk, mk, rk, mk2, K2)
@@ -500,9 +605,15 @@ def hla2_bwd_fold_kernel(
         b_p = load_mat(sum_p + i_sg * V * K2, rv, mv, rk, mk2, K2)
         d_s = d_s * rho + tl.dot(d_w, b_p, input_precision=PREC) * rho + load_mat(sum_s + i_sg * K * K2, rk, mk, rk, mk2, K2)
         d_w = d_w * (rho * rho) + load_mat(sum_w + i_sg * K * V, rk, mk, rv, mv, V)
+        if NORM:
+            tl.store(de_z + i_sg * K + rk, d_z, mask=mk)
+            d_s += d_z[:, None] * load_vec(sum_pz + i_sg * K2, rk, mk2)[None, :] * rho
+            d_z = d_z * (rho * rho) + load_vec(sum_z + i_sg * K, rk, mk)
     if STORE_DH0:
         store_mat(dh0_s + i_bh * K * K2, d_s, rk, mk, rk, mk2, K2)
         store_mat(dh0_w + i_bh * K * V, d_w, rk, mk, rv, mv, V)
+        if NORM:
+            tl.store(dh0_z + i_bh * K + rk, d_z, mask=mk)
 
 
 @triton.jit
@@ -520,21 +631,23 @@ def _store_pair(d, d2, off_k, off_k2, t, m_tk, m_tk2, rk, b_d, b_d2,
 @triton.heuristics({
     "HAS_G": lambda a: a["g"] is not None,
     "HAS_DB": lambda a: a["db"] is not None,
+    "NORM": lambda a: a["dd"] is not None,
 })
 @triton.jit(do_not_specialize=["C0", "NP"])
 def hla2_bwd_grad_kernel(
     q, k, q2, k2, v, do, g,  # inputs as in the forward; do: [B, T, H, V]
+    dd,                      # NORM: output gradient of the ones column, fp32 [B, T, H]; or None
     dq, dk, dq2, dk2, dv,    # out: gradients, same shapes and dtypes (dq2, dk2 written when CROSS)
     db,                      # out: this launch's share of dL/db_t, fp32 [B, T, H]; or None
-    cs_s, cs_w,              # chunk-start snapshots [B*H, NT, K, K2], [B*H, NT, K, V]
-    ds_end, dw_end,          # chunk-end state gradients (hla2_bwd_state_kernel) [B*H, NP, ..]: chunk C0 + i at i
+    cs_s, cs_w, cs_z,        # chunk-start snapshots [B*H, NT, K, K2], [B*H, NT, K, V], fp32 [.., K] (NORM)
+    ds_end, dw_end, dz_end,  # chunk-end state gradients (hla2_bwd_state_kernel) [B*H, NP, ..]: chunk C0 + i at i
     log_gamma, T,
     C0, NP,                  # this launch's chunks: program i does chunk C0 + i
     H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DECAY: tl.constexpr, CROSS: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
     PARTS: tl.constexpr,     # which gradients this launch stores: bit 1 dq, 2 dk, 4 dv
-    HAS_G: tl.constexpr, HAS_DB: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_DB: tl.constexpr, NORM: tl.constexpr,
 ):
     """One program per (chunk, batch*head): every chunk is independent here. A launch storing only
     some gradients compiles to a smaller kernel (the compiler drops products no stored gradient
@@ -544,7 +657,8 @@ def hla2_bwd_grad_kernel(
     term whose t is s and -1 for every index i or j equal to s. q_s enters the terms with t = s or
     j = s, k_s twice those with i = s, v_s those with j = s, hence
     dL/db_s = 2 q.dq - 1/2 k.dk - 3 v.dv (plain HLA2) or 2 q.dq - k.dk - v.dv (cross, outer pair).
-    Each launch adds the part its gradients give."""
+    Each launch adds the part its gradients give. NORM: the value is [V | 1] (``_bwd_chunk_grads``),
+    whose ones column adds -3 dv1 to the v term."""
     i_c, i_bh = C0 + tl.program_id(0), tl.program_id(1)
     NT = tl.cdiv(T, BT)
     off_k, off_k2, off_v, off_g = _head_offsets(i_bh, T, H, K, K2, V)
@@ -582,10 +696,17 @@ def hla2_bwd_grad_kernel(
     d_st = load_mat_t(ds_end + off_ds, rk, mk2, rk, mk, K2)
     d_w = load_mat(dw_end + off_dw, rk, mk, rv, mv, V)
     d_wt = load_mat_t(dw_end + off_dw, rv, mv, rk, mk, V)
+    if NORM:
+        b_dd = tl.load(dd + off_g + t * H, mask=mt, other=0.0)                      # [BT]
+        z0 = load_vec(cs_z + (i_bh.to(tl.int64) * NT + i_c) * K, rk, mk)          # [BK]
+        d_z = load_vec(dz_end + (i_bh.to(tl.int64) * NP + i_c - C0) * K, rk, mk)  # [BK]
+    else:
+        b_dd, z0, d_z = 0.0, 0.0, 0.0
     G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
-    b_dq, b_dk, b_dq2, b_dk2, b_dv = _bwd_chunk_grads(
+    b_dq, b_dk, b_dq2, b_dk2, b_dv, b_dv1 = _bwd_chunk_grads(
         b_q, b_qt, b_k, b_kt, b_q2, b_q2t, b_k2, b_k2t, b_v, b_vt, b_do, b_dot,
-        b_s0, b_s0t, b_w0t, d_s, d_st, d_w, d_wt, G, g1, g2, gl, gC, lower, upper, CROSS, IS_BF16, PREC)
+        b_s0, b_s0t, b_w0t, d_s, d_st, d_w, d_wt, G, g1, g2, gl, gC, lower, upper, b_dd, z0, d_z,
+        CROSS, IS_BF16, PREC, NORM, NORM and HAS_DB and (PARTS & 4) != 0)
     # -- store what this launch owns ----------------------------------------------------------
     m_tk = mt[:, None] & mk[None, :]
     m_tk2 = mt[:, None] & mk2[None, :]
@@ -609,5 +730,7 @@ def hla2_bwd_grad_kernel(
             b_db -= tl.sum(b_v.to(tl.float32) * b_dv, axis=1)
         else:
             b_db -= 3.0 * tl.sum(b_v.to(tl.float32) * b_dv, axis=1)
+        if NORM and HAS_DB:
+            b_db -= 3.0 * b_dv1
     if HAS_DB:
         tl.store(db + off_g + t * H, b_db, mask=mt)

@@ -1,0 +1,56 @@
+"""The output gradient of a normalized call, split the way the backward kernels take it.
+
+A normalized call returns o = num / d with d = den + eps, where num is the operator on v and den
+the operator on a column of ones. Given dL/do, the gradient of num is do / d and that of den is
+dd = -(do . o) / d (one number per token and head). The backward kernels differentiate the
+operator on [v | 1] from [do / d | dd]; this kernel forms both halves in one pass over do and o,
+instead of the half-dozen elementwise torch kernels (casts, product, row sum, divisions) that each
+read or write a [B, T, H, V] fp32 tensor.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .compile import launch_kernel
+from .launch import cdiv, pow2_block
+
+# rows (tokens x heads) per program
+ROWS = 32
+
+
+@triton.jit
+def normalized_grad_kernel(
+    do, o,          # [N, V] rows of the output gradient and the (normalized) output, input dtype
+    den,            # [N] fp32 denominators
+    do_num, dd,     # out: do / d [N, V] in do's dtype; dd = -(do . o) / d [N] fp32
+    eps, N,
+    V: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
+):
+    """One program per BR rows of V values (the [B, T, H, V] tensors seen as B*T*H rows)."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)            # rows  [BR]
+    c = tl.arange(0, BV)                                    # value columns [BV]
+    mr = r < N
+    m = mr[:, None] & (c[None, :] < V)
+    off = r.to(tl.int64)[:, None] * V + c[None, :]          # [BR, BV]
+    b_do = tl.load(do + off, mask=m, other=0.0).to(tl.float32)
+    b_o = tl.load(o + off, mask=m, other=0.0).to(tl.float32)
+    rd = 1.0 / (tl.load(den + r, mask=mr, other=1.0) + eps)  # 1 / d  [BR]
+    tl.store(do_num + off, (b_do * rd[:, None]).to(do_num.dtype.element_ty), mask=m)
+    tl.store(dd + r, -tl.sum(b_do * b_o, axis=1) * rd, mask=mr)
+
+
+def normalized_output_grad(do: torch.Tensor, o: torch.Tensor, den: torch.Tensor, eps: float,
+                           launch=launch_kernel):
+    """(do / d [B, T, H, V] in o's dtype, dd = -(do . o) / d [B, T, H] fp32) with d = den + eps.
+
+    do, o: [B, T, H, V] (do in any float dtype, read as fp32); den: [B, T, H] fp32."""
+    B, T, H, V = o.shape
+    do, o, den = do.contiguous(), o.contiguous(), den.contiguous()
+    do_num = torch.empty(B, T, H, V, device=o.device, dtype=o.dtype)
+    dd = torch.empty(B, T, H, device=o.device, dtype=torch.float32)
+    N = B * T * H
+    launch(normalized_grad_kernel, (cdiv(N, ROWS),), do=do, o=o, den=den, do_num=do_num, dd=dd, eps=float(eps), N=N,
+           V=V, BR=ROWS, BV=pow2_block(V))
+    return do_num, dd
