@@ -2,9 +2,10 @@
 
 For each case ``op:K:T`` (op in hla2, ahla, hla3; K = V; bf16, B = 4, H = 16, gamma = 0.999, the
 default configuration), ``op:K:T:g`` (per-token log-gates g that require grad instead of gamma),
-``op:K:T:n`` (normalize=True, on |q| and |k|) or ``op:K:T:gn`` (both), two warm-up calls, then three forward + backward calls under the profiler;
-every kernel's self CUDA time is divided by three. Triton kernels appear under their function
-names (``hla3_bwd_grad_kernel``), torch's own (sums, casts, fills) under theirs.
+``op:K:T:n`` (normalize=True, on |q| and |k|) or ``op:K:T:gn`` (both), two warm-up calls, then three
+forward + backward calls under the profiler; every kernel's self CUDA time is divided by three.
+Triton kernels appear under their function names (``hla3_bwd_grad_kernel``), torch's own (sums,
+casts, fills) under theirs.
 
     python benchmarks/profile_kernels.py --tag h200                 # the recorded run (a GPU)
     python benchmarks/profile_kernels.py --cases ahla:128:32768 --config '{"bwd_layers": true}' --tag x
@@ -33,9 +34,7 @@ from records import render_stored, write_record  # noqa: E402
 
 CASES = "ahla:128:32768,ahla:64:32768,hla3:64:32768,hla3:128:8192,hla2:128:32768,hla2:64:32768"
 CALLS = 3
-
-
-FLAGS = ("", "g", "n", "gn")   # a case's suffix: gates, normalize, both
+FLAGS = ("g", "n", "gn")   # a case's optional suffix: gates, normalize, both
 
 
 def parse_cases(text):
@@ -43,7 +42,7 @@ def parse_cases(text):
     out = []
     for item in text.split(","):
         parts = item.split(":")
-        flags = parts.pop() if len(parts) == 4 and parts[3] in FLAGS[1:] else ""
+        flags = parts.pop() if len(parts) == 4 and parts[3] in FLAGS else ""
         if len(parts) != 3 or parts[0] not in ("hla2", "ahla", "hla3") or not all(x.isdigit() for x in parts[1:]):
             raise ValueError(f"--cases: expected op:K:T or op:K:T:FLAGS (FLAGS one of g, n, gn) with op in hla2, "
                              f"ahla, hla3, got {item!r}")

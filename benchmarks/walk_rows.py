@@ -23,10 +23,9 @@ for _p in (ROOT, os.path.join(ROOT, "benchmarks")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-LAYOUTS = "64:4:1,64:4:2,64:8:1,64:8:2,128:8:1,128:8:2"   # chunk:warps:stages
-
-
 from records import write_record  # noqa: E402
+
+LAYOUTS = "64:4:1,64:4:2,64:8:1,64:8:2,128:8:1,128:8:2"   # chunk:warps:stages
 
 
 def one(spec):

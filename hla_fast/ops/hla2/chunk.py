@@ -216,7 +216,8 @@ def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v
           torch.empty(B, H, K, device=dev, dtype=f32) if normalize else None) if store_final else (None, None, None)
     cs = None
     if snapshots is not None:
-        cs = (torch.empty(BH, NT, K, K2, device=dev, dtype=snapshots), torch.empty(BH, NT, K, V, device=dev, dtype=snapshots),
+        cs = (torch.empty(BH, NT, K, K2, device=dev, dtype=snapshots),
+              torch.empty(BH, NT, K, V, device=dev, dtype=snapshots),
               torch.empty(BH, NT, K, device=dev, dtype=f32) if normalize else None)
     launch(hla2_fwd_kernel, (NV, nseg, BH),
         q=q, k=k, q2=q2, k2=k2, v=v, g=g, o=o, den=den,
@@ -291,9 +292,9 @@ def bwd_launch(q, k, v, do, g, gamma, s0, w0, dht_s, dht_w, cfg: ChunkConfig, *,
     if has_dht:
         dht_s = torch.zeros(B, H, K, K2, device=dev, dtype=f32) if dht_s is None else dht_s.float().contiguous()
         dht_w = torch.zeros(B, H, K, V, device=dev, dtype=f32) if dht_w is None else dht_w.float().contiguous()
-        if norm:
-            dht_z = torch.zeros(B, H, K, device=dev, dtype=f32) if dht_z is None else dht_z.float().contiguous()
-    if not (has_dht and norm):
+    if has_dht and norm:
+        dht_z = torch.zeros(B, H, K, device=dev, dtype=f32) if dht_z is None else dht_z.float().contiguous()
+    else:
         dht_z = None
 
     def z_buf(*shape):   # the ones column's state gradient (normalized calls only)
@@ -304,8 +305,9 @@ def bwd_launch(q, k, v, do, g, gamma, s0, w0, dht_s, dht_w, cfg: ChunkConfig, *,
     # segments cannot fold 128 x 128 fp32 products in shared memory: such heads walk in one
     NS, nseg = split_segments(NT, 1 if (BK > 64 and BV > 64) else cfg.bwd_segments)
     ones = (None, None)
-    if norm:   # the ones column's two vectors per chunk, for the walks
-        ones = (torch.empty(BH, NT, K, device=dev, dtype=f32), torch.empty(BH, NT, K, device=dev, dtype=f32))
+    if norm:   # the ones column's vectors per chunk for the walks (Q^T gl only for segment summaries)
+        ones = (torch.empty(BH, NT, K, device=dev, dtype=f32),
+                torch.empty(BH, NT, K, device=dev, dtype=f32) if nseg > 1 else None)
         launch(hla2_bwd_ones_kernel, (NT, BH), q=q, g=g, dd=dd, ones_u=ones[0], ones_w=ones[1], log_gamma=lg, T=T,
                H=H, K=K, BT=BT, BK=BK, HAS_DECAY=flags["HAS_DECAY"], num_warps=4)
     de = (dht_s, dht_w, dht_z) if has_dht else (None, None, None)
@@ -319,9 +321,9 @@ def bwd_launch(q, k, v, do, g, gamma, s0, w0, dht_s, dht_w, cfg: ChunkConfig, *,
         sum_pz = torch.empty(BH * nseg, K2, device=dev, dtype=f32) if norm else None
         sum_lr = torch.empty(BH * nseg, device=dev, dtype=f32)
         launch(hla2_bwd_state_kernel, (nseg, BH),
-            q=q, q2=q2, v=v, do=do, g=g, dd=dd, ones_u=ones[0], ones_w=ones[1], ds_end=sum_s, dw_end=sum_w, dz_end=sum_z, de_s=None, de_w=None,
-            de_z=None, dh0_s=None, dh0_w=None, dh0_z=None, sum_p=sum_p, sum_pz=sum_pz, sum_lr=sum_lr,
-            log_gamma=lg, T=T, NS=NS, C0=0, NP=NT, **common)
+            q=q, q2=q2, v=v, do=do, g=g, dd=dd, ones_u=ones[0], ones_w=ones[1], ds_end=sum_s, dw_end=sum_w,
+            dz_end=sum_z, de_s=None, de_w=None, de_z=None, dh0_s=None, dh0_w=None, dh0_z=None,
+            sum_p=sum_p, sum_pz=sum_pz, sum_lr=sum_lr, log_gamma=lg, T=T, NS=NS, C0=0, NP=NT, **common)
         de = (torch.empty(BH * nseg, K, K2, device=dev, dtype=f32), torch.empty(BH * nseg, K, V, device=dev, dtype=f32),
               z_buf(BH * nseg))
         launch(hla2_bwd_fold_kernel, (BH,),
@@ -349,9 +351,9 @@ def bwd_launch(q, k, v, do, g, gamma, s0, w0, dht_s, dht_w, cfg: ChunkConfig, *,
 
     def step(c0, n, end_grad, start_grad):
         launch(hla2_bwd_state_kernel, (nseg, BH),
-            q=q, q2=q2, v=v, do=do, g=g, dd=dd, ones_u=ones[0], ones_w=ones[1], ds_end=ds_end, dw_end=dw_end, dz_end=dz_end,
-            de_s=end_grad[0], de_w=end_grad[1], de_z=end_grad[2], dh0_s=start_grad[0], dh0_w=start_grad[1],
-            dh0_z=start_grad[2], sum_p=None, sum_pz=None, sum_lr=None, log_gamma=lg, T=T, NS=NS,
+            q=q, q2=q2, v=v, do=do, g=g, dd=dd, ones_u=ones[0], ones_w=ones[1], ds_end=ds_end, dw_end=dw_end,
+            dz_end=dz_end, de_s=end_grad[0], de_w=end_grad[1], de_z=end_grad[2],
+            dh0_s=start_grad[0], dh0_w=start_grad[1], dh0_z=start_grad[2], sum_p=None, sum_pz=None, sum_lr=None, log_gamma=lg, T=T, NS=NS,
             C0=c0, NP=NP, **common)
         for i, parts in enumerate(cfg.grad_parts):
             launch(hla2_bwd_grad_kernel, (n, BH),
@@ -404,8 +406,6 @@ class HLA2ChunkFunction(torch.autograd.Function):
             # o = num / (den + eps): the unnormalized operator on [v | 1] (the kernels carry the ones
             # column as z beside W) with output gradient [do / d | dd], dd = -(do . o) / d
             do, dd = normalized_output_grad(do, o, den, ctx.eps, launch=ctx.launch)
-            if s0 is not None and z0 is None:
-                z0 = torch.zeros_like(w0[..., 0])
         dq, dk, dq2, dk2, dv, ds0, dw0, db, dz0 = bwd_launch(
             q, k, v, do, g, ctx.gamma, s0, w0, dsT, dwT, ctx.cfg, q2=q2, k2=k2,
             states=None if cs_s is None else (cs_s, cs_w, cs_z), want_db=want_dg, dd=dd, z0=z0,

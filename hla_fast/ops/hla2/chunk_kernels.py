@@ -380,10 +380,9 @@ def _bwd_chunk_grads(
     b_dx = tl.dot(c_dn, c_xm, input_precision=PREC) * G
     # -- dQ2 (inner): ((dN^T A) o L) K2 + ((Vg dW^T Kg^T) o L) K2 + dN^T diag(g1) Q S0 + gC Vg dW^T S0
     b_dx2 = tl.where(lower, dot(c_dnt, b_a, IS_BF16, PREC), 0.0)
-    if NORM:   # ones: gl dz^T, the product's starting accumulator
-        b_f = tl.dot(b_vg, c_dwt, acc=gl[:, None] * d_z[None, :], input_precision=PREC)   # Vg dW^T [BT, BK]
-    else:
-        b_f = tl.dot(b_vg, c_dwt, input_precision=PREC)
+    b_f = tl.dot(b_vg, c_dwt, input_precision=PREC)                     # Vg dW^T [BT, BK]
+    if NORM:   # ones: gl dz^T
+        b_f += gl[:, None] * d_z[None, :]
     b_f = cast(b_f, IS_BF16)
     b_dx2 += tl.where(lower, tl.dot(b_f, b_kgt, input_precision=PREC), 0.0)
     if CROSS:
@@ -439,14 +438,17 @@ def _dstate_step(d_s, d_w, b_qt, b_q2, b_vgt, b_dn, b_do, g1, g2, gC, b_ones,
 # ============================================================================ backward kernels
 
 
-@triton.heuristics({"HAS_G": lambda a: a["g"] is not None})
+@triton.heuristics({
+    "HAS_G": lambda a: a["g"] is not None,
+    "STORE_W": lambda a: a["ones_w"] is not None,
+})
 @triton.jit
 def hla2_bwd_ones_kernel(
     q, g, dd,          # q: [B, T, H, K]; g: [B, T, H] or None; dd: the ones column's output gradient, fp32 [B, T, H]
-    ones_u, ones_w,    # out: per chunk, fp32 [B*H, NT, K]: Q^T diag(g2) dd and Q^T gl
+    ones_u, ones_w,    # out: per chunk, fp32 [B*H, NT, K]: Q^T diag(g2) dd, and Q^T gl (or None: not needed)
     log_gamma, T,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    HAS_DECAY: tl.constexpr, HAS_G: tl.constexpr,
+    HAS_DECAY: tl.constexpr, HAS_G: tl.constexpr, STORE_W: tl.constexpr,
 ):
     """One program per (chunk, batch*head): the two vectors a normalized backward walk adds per
     chunk for the ones column (plain operator, q2 = q), every chunk at once and in fp32."""
@@ -462,7 +464,8 @@ def hla2_bwd_ones_kernel(
     G, g1, g2, gl, gC, bL = chunk_factors(g, row, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
     off = (i_bh.to(tl.int64) * NT + i_c) * K
     tl.store(ones_u + off + rk, tl.sum(b_q * (g2 * b_dd)[:, None], axis=0), mask=mk)
-    tl.store(ones_w + off + rk, tl.sum(b_q * gl[:, None], axis=0), mask=mk)
+    if STORE_W:   # only segment summaries read it
+        tl.store(ones_w + off + rk, tl.sum(b_q * gl[:, None], axis=0), mask=mk)
 
 
 @triton.heuristics({
@@ -476,7 +479,7 @@ def hla2_bwd_ones_kernel(
 def hla2_bwd_state_kernel(
     q, q2, v, do, g,       # q: [B, T, H, K]; q2: [B, T, H, K2]; v, do: [B, T, H, V]; g or None
     dd,                    # NORM: output gradient of the ones column (the denominator), fp32 [B, T, H]; or None
-    ones_u, ones_w,        # NORM: each chunk's Q^T diag(g2) dd and Q2^T gl, fp32 [B*H, NT, K]
+    ones_u, ones_w,        # NORM: each chunk's Q^T diag(g2) dd and (SUMMARY) Q2^T gl, fp32 [B*H, NT, K]
                            #   (hla2_bwd_ones_kernel); or None
     ds_end, dw_end, dz_end,  # out: gradient of each chunk's END state [B*H, NP, K, K2], [.., K, V],
                            #      fp32 [.., K] (NORM), chunk C0 + i at i (SUMMARY: the segment's
