@@ -4,7 +4,8 @@ process.
 The earlier package is extracted from git into a temporary folder and imported under another name,
 so both run on the same GPU, inputs and Triton. bf16, B=4, H=16, T=32768 (``--T``), gamma=0.999,
 K=V in {64, 128} (``--dims``), ``--gates`` (log-gates that require grad instead of gamma),
-``--normalize`` (on |q| and |k|); medians of triton.testing.do_bench (ms) of the whole call, forward
+``--normalize`` (on |q| and |k|), ``--config`` (a change to this tree's configuration rule, to time a
+rule change before making it); medians of triton.testing.do_bench (ms) of the whole call, forward
 under no_grad and forward + backward, the peak memory one forward + backward allocates beyond
 what was allocated before it (the inputs, do and the previous call's gradients), and the relative
 difference of the two revisions' outputs and input gradients. On a CUDA machine, from the repository root:
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib
 import json
 import pathlib
@@ -26,6 +28,9 @@ import tempfile
 import torch
 import triton
 from triton.testing import do_bench
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))   # config_arg beside this script
+from config_arg import HELP, config_changes  # noqa: E402
 
 
 def extract(rev: str, dest: pathlib.Path) -> str:
@@ -42,15 +47,18 @@ def extract(rev: str, dest: pathlib.Path) -> str:
     return name
 
 
-def time_call(op, q, k, v, do, g=None, normalize=False):
+def time_call(op, q, k, v, do, g=None, normalize=False, config=None):
     """Forward and forward + backward medians (ms) of op(q, k, v) with gamma=0.999, or with the
     log-gates g (a leaf that requires grad) when given, the MB one forward + backward allocates at
-    its peak beyond what was allocated before it, and (o, dq, dk, dv[, dg])."""
+    its peak beyond what was allocated before it, and (o, dq, dk, dv[, dg]). ``config``: None for
+    the op's rule, or a function of ``training`` (whether autograd records) giving its config."""
     inputs = (q, k, v) if g is None else (q, k, v, g)
     leaves = [x.detach().clone().requires_grad_() for x in inputs]
 
     def call(q, k, v, g=None):
         decay = dict(gamma=0.999) if g is None else dict(g=g)
+        if config is not None:
+            decay["config"] = config(torch.is_grad_enabled())
         return op(q, k, v, normalize=normalize, **decay)
 
     def fwd():
@@ -79,6 +87,14 @@ def time_call(op, q, k, v, do, g=None, normalize=False):
     return (*times, (torch.cuda.max_memory_allocated() - base) / 1e6, out)
 
 
+def rule_config(rule, q, v, changes, takes_training, training):
+    """The rule's configuration for inputs shaped as q [B, T, H, K] and v [.., V], changed by
+    ``changes`` (AHLA's rule also takes ``training``)."""
+    B, T, H, K = q.shape
+    extra = dict(training=training) if takes_training else {}
+    return rule(B, T, H, K, v.shape[-1], q.dtype, q.device, **extra).replace(**changes)
+
+
 def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -97,6 +113,7 @@ def main():
                     help="per-token log-gates g = -0.001 * U[0, 1) (that require grad) instead of gamma")
     ap.add_argument("--normalize", action="store_true",
                     help="normalize=True, on |q| and |k| (positive features keep the denominator positive)")
+    ap.add_argument("--config", type=config_changes, default=None, help=HELP + "; for this tree's calls only")
     args = ap.parse_args()
     if args.package_dir:
         sys.path.insert(0, args.package_dir)
@@ -118,7 +135,12 @@ def main():
         do = torch.randn_like(v)
         outs = {}
         for label, mod in ((args.rev, old), ("this tree", new)):
-            f, fb, mb, outs[label] = time_call(getattr(mod, args.op), q, k, v, do, g=g, normalize=args.normalize)
+            cfg = None
+            if args.config and mod is new:
+                rule = getattr(new, f"{args.op}_config")
+                cfg = functools.partial(rule_config, rule, q, v, args.config, args.op == "ahla")
+            f, fb, mb, outs[label] = time_call(getattr(mod, args.op), q, k, v, do, g=g, normalize=args.normalize,
+                                               config=cfg)
             rows.append({"K": D, "code": label, "fwd_ms": f, "fwdbwd_ms": fb, "fwdbwd_peak_extra_mb": mb})
             print(rows[-1], flush=True)
         rows[-1]["rel_diff_to_rev"] = {n: rel(a, b) for n, a, b in zip(("o", "dq", "dk", "dv", "dg"), outs["this tree"],
@@ -130,7 +152,7 @@ def main():
         timespec="seconds"), "versions": {"torch": torch.__version__, "triton": triton.__version__},
         "op": args.op, "rev": args.rev,
         "shape": {"B": 4, "T": args.T, "H": 16, "dtype": "bfloat16", "gamma": 0.999},
-        "gates": args.gates, "normalize": args.normalize, "rows": rows}
+        "gates": args.gates, "normalize": args.normalize, "config": args.config, "rows": rows}
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
 

@@ -202,6 +202,20 @@ def test_ab_revision_imports_an_earlier_package_beside_this_one(tmp_path):
     assert torch.equal(a, b)
 
 
+def test_ab_revision_changes_the_rule_for_this_trees_calls():
+    """``--config``: this tree's calls take the rule's layout for their shapes with the changes."""
+    import hla_fast
+
+    ab = load("ab_revision")
+    q, v = torch.zeros(4, 256, 2, 64), torch.zeros(4, 256, 2, 32)
+    cfg = ab.rule_config(hla_fast.hla2_config, q, v, {"grad_parts": (1, 2, 4)}, False, True)
+    assert cfg == hla_fast.hla2_config(4, 256, 2, 64, 32, q.dtype, q.device).replace(grad_parts=(1, 2, 4))
+    for training in (False, True):
+        cfg = ab.rule_config(hla_fast.ahla_config, q, v, {"fwd_warps": 8}, True, training)
+        rule = hla_fast.ahla_config(4, 256, 2, 64, 32, q.dtype, q.device, training=training)
+        assert cfg == rule.replace(fwd_warps=8)
+
+
 @pytest.mark.skipif(not load("compile_report").has_cuda_compiler(), reason="needs Triton's CUDA backend (compiler and ptxas)")
 def test_compile_report_compiles_the_forward_for_hopper():
     env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}

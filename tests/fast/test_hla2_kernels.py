@@ -4,11 +4,14 @@ heads, and the configuration rule. Under TRITON_INTERPRET=1 on a CPU, compiled o
 import importlib
 
 import pytest
+import triton
+import triton.language as tl
 
 from .helpers import rand_gates, rand_qkv, real_calls, ref_hla2, rel, torch
 
 import hla_fast
 from hla_fast import ChunkConfig
+from hla_fast.ops.common.tiles import chunk_beta, held_decays
 
 chunk = importlib.import_module("hla_fast.ops.hla2.chunk")
 launch = importlib.import_module("hla_fast.ops.common.launch")
@@ -343,3 +346,58 @@ def test_config_reaches_the_backward(monkeypatch, device):
     cfg = SMALL.replace(grad_parts=(1, 2, 4), bwd_segments=2)
     hla_fast.hla2(q, k, v, gamma=0.9, backend="triton", config=cfg)[0].sum().backward()
     assert seen == [cfg]
+
+
+@triton.jit
+def _held_decays_kernel(g_in, g_out, IS_BF16: tl.constexpr, N: tl.constexpr):
+    r = tl.arange(0, N)
+    G = tl.load(g_in + r[:, None] * N + r[None, :])
+    tl.store(g_out + r[:, None] * N + r[None, :], held_decays(G, IS_BF16).to(tl.float32))
+
+
+@pytest.mark.parametrize("N", [32, 64])
+def test_held_decays_rounds_within_what_its_docstring_states(N, device):
+    """``held_decays`` keeps a decay tile of 64 rows or more for bf16 dots as fp16: each factor in
+    (0, 1] moves by at most fp16's unit roundoff 2^-11 relative in its normal range and 2^-25
+    absolute below it (2^-14). A tile of 32 rows, or one for fp32 dots, is kept exactly."""
+    gen = torch.Generator().manual_seed(N)
+    G = torch.exp2(-40 * torch.rand(N, N, generator=gen)).to(device)   # factors from 2^-40 to 1
+    G[0, :4] = torch.tensor([1.0, 2.0 ** -14, 2.0 ** -24, 0.0])
+    for is_bf16 in (True, False):
+        out = torch.full_like(G, float("nan"))
+        _held_decays_kernel[(1,)](G, out, IS_BF16=is_bf16, N=N)
+        err = (out.double() - G.double()).abs()
+        if is_bf16 and N >= 64:
+            bound = torch.where(G >= 2.0 ** -14, G.double() * 2.0 ** -11, torch.full_like(err, 2.0 ** -25))
+            assert bool((err <= bound).all()) and bool((err > 0).any())
+        else:
+            assert torch.equal(out, G)
+
+
+@triton.jit
+def _chunk_beta_kernel(g, beta, T, ROW_SUMS: tl.constexpr, BT: tl.constexpr):
+    t = tl.arange(0, BT)
+    tl.store(beta + t, chunk_beta(g, 0, 0.0, t, t < T, 1, BT, True, True, ROW_SUMS), mask=t < T)
+
+
+@pytest.mark.parametrize("row_sums", [False, True])
+def test_chunk_beta_sums_the_gates_and_never_rises(row_sums, device):
+    """The chunk's cumulative log-gates, by rows of a masked tile or by a scan: the float64 sums to
+    fp32 precision. Where gates of -1e-9 follow sums near -30, the row sums never rise after
+    rounding; the scan (tl.cumsum: its partial sums associate differently from row to row) may rise
+    by a rounding of the sums, and did on the H200, so ``chunk_decays`` takes the minimum as the
+    chunk's total."""
+    BT = 32
+    gen = torch.Generator().manual_seed(5)
+    for T in (BT, 27):
+        g = -torch.rand(T, generator=gen, dtype=torch.float64) * 3
+        g[1::3] = -1e-9
+        out = torch.full((T,), float("nan"), device=device)
+        _chunk_beta_kernel[(1,)](g.float().to(device), out, T, ROW_SUMS=row_sums, BT=BT)
+        ref = g.float().double().cumsum(0)
+        assert torch.allclose(out.double().cpu(), ref, rtol=BT * 2.0 ** -24, atol=0)
+        rise = out.diff().double().cpu().clamp(min=0)
+        if row_sums:
+            assert bool((rise == 0).all())
+        else:
+            assert bool((rise <= BT * 2.0 ** -24 * ref.abs()[1:]).all())

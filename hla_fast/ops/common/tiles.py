@@ -155,15 +155,25 @@ def store_step_output(o, i_bh, rv, mv, b_num, b_den, eps, V: tl.constexpr, NORM:
 
 @triton.jit
 def chunk_beta(g, g_off, log_gamma, t, mt, H: tl.constexpr, BT: tl.constexpr,
-               HAS_G: tl.constexpr, HAS_DECAY: tl.constexpr):
+               HAS_G: tl.constexpr, HAS_DECAY: tl.constexpr, ROW_SUMS: tl.constexpr = False):
     """beta [BT] (fp32) of the chunk whose token indices are ``t`` (valid where ``mt``).
 
     HAS_G: the cumulative sum of the log-gates g [B, T, H] of one head (``g_off`` its first
     element, token stride H); else a constant decay, beta_r = (r + 1) log(gamma) on valid rows.
-    Without decay beta is 0. (``g`` is None unless HAS_G: only the taken branch is compiled.)"""
+    Without decay beta is 0. (``g`` is None unless HAS_G: only the taken branch is compiled.)
+
+    ROW_SUMS (HAS_G): sum each row of the masked tile [g_s for s <= r] instead of scanning
+    (``tl.cumsum``). Which compiles better depends on the kernel; the callers say when (HLA2's for
+    chunks of up to 32 rows: ``hla2/chunk_kernels.py``, "Gates"). Every row sums its columns in the
+    same order and row r + 1 only adds g_{r+1} <= 0 to what row r sums, so beta stays
+    non-increasing after rounding (rounding is monotone), as the factors require."""
     if HAS_G:
         b_g = tl.load(g + g_off + t * H, mask=mt, other=0.0).to(tl.float32)  # [BT], 0 past T
-        beta = tl.cumsum(b_g, axis=0)
+        if ROW_SUMS:
+            rt = tl.arange(0, BT)
+            beta = tl.sum(tl.where(rt[:, None] >= rt[None, :], b_g[None, :], 0.0), axis=1)
+        else:
+            beta = tl.cumsum(b_g, axis=0)
     elif HAS_DECAY:
         # valid rows r -> (r + 1) log(gamma); padded rows repeat the last valid one
         n_valid = tl.sum(mt.to(tl.int32), axis=0)
@@ -183,7 +193,9 @@ def chunk_decays(beta, mt, BT: tl.constexpr, HAS_DECAY: tl.constexpr):
     rt = tl.arange(0, BT)
     causal = rt[:, None] >= rt[None, :]
     if HAS_DECAY:
-        bL = tl.min(beta, axis=0)  # beta is non-increasing: its last (= padded) value is the minimum
+        # beta is non-increasing (up to a rounding of the scan's sums, which may rise by one): its
+        # last (= padded) value is the minimum, the chunk's total
+        bL = tl.min(beta, axis=0)
         # exponents are <= 0 wherever they are kept; tl.where selects (no 0 * inf)
         G = tl.where(causal, tl.exp(tl.where(causal, beta[:, None] - beta[None, :], 0.0)), 0.0)
         g1 = tl.exp(beta)
@@ -200,10 +212,32 @@ def chunk_decays(beta, mt, BT: tl.constexpr, HAS_DECAY: tl.constexpr):
 
 @triton.jit
 def chunk_factors(g, g_off, log_gamma, t, mt, H: tl.constexpr, BT: tl.constexpr,
-                  HAS_G: tl.constexpr, HAS_DECAY: tl.constexpr):
+                  HAS_G: tl.constexpr, HAS_DECAY: tl.constexpr, ROW_SUMS: tl.constexpr = False):
     """``chunk_decays(chunk_beta(...))``: G, g1, g2, gl, gC, bL of the chunk with tokens ``t``."""
-    beta = chunk_beta(g, g_off, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
+    beta = chunk_beta(g, g_off, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY, ROW_SUMS)
     return chunk_decays(beta, mt, BT, HAS_DECAY)
+
+
+@triton.jit
+def held_decays(G, IS_BF16: tl.constexpr):
+    """A decay tile G (or G^T) as a kernel keeps it between its first use and its later ones:
+    fp16 for chunks of 64 rows or more when the products it scales are rounded to bf16 for their
+    dots (IS_BF16), else as is.
+
+    Per-token gates make G depend on loaded data, so the compiler cannot recompute it where it is
+    used (as it does a constant decay's, a function of the row and column indices) and holds the
+    fp32 tile in registers between its uses: with chunks of 64 in 4 warps that is 32 registers a
+    thread, and the kernels already spill. Held in fp16, G's rounding (unit roundoff 2^-11,
+    absolute 2^-25 below fp16's normal range) stays an eighth of the bf16 rounding (2^-8) that every
+    product it scales takes before its dot. A [32, 32] tile in 8 warps is 4 registers: there the
+    conversion only costs (HLA2's forward at K = V = 128, 6.06 against 6.29 ms,
+    ``benchmarks/results/hla2_h200_ab_held_decays.json``). Call it after G's first use, which takes
+    the fp32 tile."""
+    if IS_BF16 and G.shape[0] >= 64:
+        H = G.to(tl.float16)
+    else:
+        H = G
+    return H
 
 
 @triton.jit

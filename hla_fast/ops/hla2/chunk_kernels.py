@@ -26,6 +26,15 @@ G, g1, g2, gl, gC of ``hla_fast/ops/common/gates.py``):
           (= gC^2 W0 + gC S0 (Q2^T diag(gl) V) + (diag(gl) K)^T (Ym diag(gl) V), in one product)
     z  <- the same as W with V -> 1
 
+Gates: the chunk's cumulative log-gates are row sums for chunks of up to 32 rows (``chunk_beta``'s
+ROW_SUMS) and a scan for longer ones. With the scan the gated per-chunk gradient kernel at
+K = V = 128 (chunks of 32, 8 warps) spilled 384 and 780 bytes a thread in its two launches by an
+sm_90 compile, with row sums 20 and 268, and a gated forward + backward took 29.8 against 34.5 ms
+(``benchmarks/results/hla2_h200_ab_row_sums.json``); on chunks of 64 the [64, 64] tile of the sums
+costs the 4-warp walks registers (the forward spilled 980 bytes against 324), and HLA3's kernels
+(chunks of 32 in 4 warps) spilled more with them, so both keep the scan there. Between their uses
+the decay tiles are held in fp16 for bf16 dots (``held_decays``).
+
 Every factor is exp of an exponent <= 0. Masks are applied by selection (``tl.where``), not by
 multiplying with 0, so a non-finite score above the diagonal does not leak into earlier rows
 through an elementwise product (the matrix products still multiply: see hla_fast/README.md).
@@ -38,8 +47,8 @@ import triton
 import triton.language as tl
 
 from ..common.tiles import (
-    cast, chunk_factors, dot, load_cols, load_mat, load_mat_t, load_rows, load_vec, mat_or_zeros, read_rows, store_mat,
-    vec_or_zeros,
+    cast, chunk_factors, dot, held_decays, load_cols, load_mat, load_mat_t, load_rows, load_vec, mat_or_zeros,
+    read_rows, store_mat, vec_or_zeros,
 )
 
 # ============================================================================ forward: one chunk
@@ -52,6 +61,7 @@ def _chunk_output(b_q, b_kt, b_q2t, b_ym, b_v, S, W, z, G, g1, g2,
     when NORM (else a dummy 0)."""
     b_x = tl.dot(b_q, b_kt, input_precision=PREC)                 # X = Q K^T      [BT, BT]
     b_a = tl.where(G > 0, b_x * G, 0.0)                            # A = X o G
+    G = held_decays(G, IS_BF16)                                    # until M's
     b_qs = dot(b_q, S, IS_BF16, PREC) * g1[:, None]                # diag(g1) Q S0  [BT, BK]
     b_n = dot(b_qs, b_q2t, IS_BF16, PREC) + dot(b_a, b_ym, IS_BF16, PREC)   # N  [BT, BT]
     b_m = tl.where(G > 0, b_n * G, 0.0)                            # M = N o G
@@ -93,7 +103,7 @@ def _carry_tiles(k, q2, k2, v, g, off_k, off_k2, off_v, off_g, log_gamma, t, mt,
     b_q2t = load_cols(q2 + off_k2, t, mt, rk, mk2, H * K2, IS_BF16)
     b_k2 = load_rows(k2 + off_k2, t, mt, rk, mk2, H * K2, IS_BF16)
     b_v = load_rows(v + off_v, t, mt, rv, mv, H * V, IS_BF16)
-    G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
+    G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY, BT <= 32)
     b_ym = tl.where(upper, tl.dot(b_k2, b_q2t, input_precision=PREC), 0.0)
     return b_kt, b_q2t, b_k2, b_v, b_ym, G, g1, g2, gl, gC, bL
 
@@ -344,6 +354,7 @@ def _bwd_chunk_grads(
         b_dnt += b_dd[None, :]
     b_dn = b_dn * G
     b_dnt = b_dnt * GT
+    GT = held_decays(GT, IS_BF16)   # until M^T's and dX^T's (G's last use, dX, comes next)
     b_qs = tl.dot(b_q, b_s0, input_precision=PREC)      # Q S0     [BT, K2]
     b_qst = tl.dot(b_q2, b_s0t, input_precision=PREC)   # Q2 S0^T  [BT, K]
     b_kg = cast(b_k * gl[:, None], IS_BF16)
@@ -356,6 +367,12 @@ def _bwd_chunk_grads(
     c_ym = cast(b_ym, IS_BF16)
     c_dn = cast(b_dn, IS_BF16)
     c_dnt = cast(b_dnt, IS_BF16)
+    # the products of dN with G's tiles first, so that G and A die here: dX = (dN Xm^T) o G,
+    # ((dN^T A) o L) and dN^T diag(g1) Q S0 (a dq launch spilled 536 bytes a thread with gates
+    # when they waited for the dV block, 124 now: benchmarks/results/compile_hla2_bf16_k64_gates_cpu.md)
+    b_dx = tl.dot(c_dn, c_xm, input_precision=PREC) * G
+    b_dx2 = tl.where(lower, dot(c_dnt, b_a, IS_BF16, PREC), 0.0)
+    b_dnq2 = dot(c_dnt, b_qs * g1[:, None], IS_BF16, PREC)
 
     # -- dV = M^T dO + diag(gl) (gC Q2 S0^T dW + Ym^T Kg dW) ---------------------------------
     b_mt = dot(b_qst, b_qt * g1[None, :], IS_BF16, PREC) + dot(c_xm, b_at, IS_BF16, PREC)
@@ -377,9 +394,7 @@ def _bwd_chunk_grads(
     b_dq = b_dq * g2[:, None]
     b_dnq = tl.dot(c_dn, b_q2, input_precision=PREC)
     b_dq += dot(b_dnq, b_s0t, IS_BF16, PREC) * g1[:, None]
-    b_dx = tl.dot(c_dn, c_xm, input_precision=PREC) * G
     # -- dQ2 (inner): ((dN^T A) o L) K2 + ((Vg dW^T Kg^T) o L) K2 + dN^T diag(g1) Q S0 + gC Vg dW^T S0
-    b_dx2 = tl.where(lower, dot(c_dnt, b_a, IS_BF16, PREC), 0.0)
     b_f = tl.dot(b_vg, c_dwt, input_precision=PREC)                     # Vg dW^T [BT, BK]
     if NORM:   # ones: gl dz^T
         b_f += gl[:, None] * d_z[None, :]
@@ -390,7 +405,7 @@ def _bwd_chunk_grads(
         b_dq2 = dot(b_dx2, b_k2, IS_BF16, PREC)
     else:
         b_dq2 = b_dq + dot(b_dx + b_dx2, b_k, IS_BF16, PREC)
-    b_dq2 += dot(c_dnt, b_qs * g1[:, None], IS_BF16, PREC)
+    b_dq2 += b_dnq2
     b_dq2 += tl.dot(b_f, b_s0, input_precision=PREC) * gC
 
     # -- dK (outer): ((Ym dN^T) o G^T) Q + diag(gl) (Ym Vg dW^T + K2 dS^T) -------------------
@@ -461,7 +476,7 @@ def hla2_bwd_ones_kernel(
     mk = rk < K
     b_q = read_rows(q + row * K, t, mt, rk, mk, H * K).to(tl.float32)             # [BT, BK]
     b_dd = tl.load(dd + row + t * H, mask=mt, other=0.0)                            # [BT]
-    G, g1, g2, gl, gC, bL = chunk_factors(g, row, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
+    G, g1, g2, gl, gC, bL = chunk_factors(g, row, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY, BT <= 32)
     off = (i_bh.to(tl.int64) * NT + i_c) * K
     tl.store(ones_u + off + rk, tl.sum(b_q * (g2 * b_dd)[:, None], axis=0), mask=mk)
     if STORE_W:   # only segment summaries read it
@@ -540,7 +555,7 @@ def hla2_bwd_state_kernel(
         b_q2 = load_rows(q2 + off_k2, t, mt, rk, mk2, H * K2, IS_BF16)
         b_vt = load_cols(v + off_v, t, mt, rv, mv, H * V, IS_BF16)
         b_do = load_rows(do + off_v, t, mt, rv, mv, H * V, IS_BF16)
-        G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
+        G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY, BT <= 32)
         b_vgt = cast(b_vt * gl[None, :], IS_BF16)
         b_dn = tl.dot(b_do, b_vt, input_precision=PREC)
         if NORM:
@@ -705,7 +720,7 @@ def hla2_bwd_grad_kernel(
         d_z = load_vec(dz_end + (i_bh.to(tl.int64) * NP + i_c - C0) * K, rk, mk)  # [BK]
     else:
         b_dd, z0, d_z = 0.0, 0.0, 0.0
-    G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
+    G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY, BT <= 32)
     b_dq, b_dk, b_dq2, b_dk2, b_dv, b_dv1 = _bwd_chunk_grads(
         b_q, b_qt, b_k, b_kt, b_q2, b_q2t, b_k2, b_k2t, b_v, b_vt, b_do, b_dot,
         b_s0, b_s0t, b_w0t, d_s, d_st, d_w, d_wt, G, g1, g2, gl, gC, lower, upper, b_dd, z0, d_z,
