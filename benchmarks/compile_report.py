@@ -77,7 +77,8 @@ def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, 
     import hla_fast
 
     rule = getattr(hla_fast, f"{op}_config")
-    kw = {"training": not forward_only} if op == "ahla" else {}
+    kw = {"training": not forward_only} if op == "ahla" else ({"gated": gates, "normalize": normalize}
+                                                               if op == "hla2" else {})
     cfg = rule(B, T, H, K, V, dtype, cuda, **kw).replace(**(changes or {}))
     meta = torch.device("meta")
     q = torch.empty(B, T, H, K, dtype=dtype, device=meta)

@@ -66,8 +66,8 @@ def profile_case(op, D, T, gated=False, changes=None, normalize=False):
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     decay = {"g": make_gates(4, T, 16).requires_grad_()} if gated else {"gamma": 0.999}
     do = torch.randn_like(v)
-    cfg = getattr(hla_fast, f"{op}_config")(4, T, 16, D, D, q.dtype, q.device,
-                                            **({"training": True} if op == "ahla" else {}))
+    rule_kw = {"training": True} if op == "ahla" else ({"gated": gated, "normalize": normalize} if op == "hla2" else {})
+    cfg = getattr(hla_fast, f"{op}_config")(4, T, 16, D, D, q.dtype, q.device, **rule_kw)
     cfg = cfg.replace(**(changes or {}))
 
     def step():

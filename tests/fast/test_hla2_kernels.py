@@ -287,6 +287,11 @@ def test_configuration_rule(monkeypatch):
     # 64 heads: 4 segments put 256 four-warp programs in one wave of 264
     assert (c.fwd_chunk, c.bwd_chunk, c.fwd_warps, c.fwd_segments, c.bwd_segments) == (64, 64, 4, 4, 4)
     assert c.save_states and c.grad_parts == (1, 6)   # the forward keeps its chunk states for the backward
+    # gated and normalized: three gradient launches; either alone, or wider heads: two
+    for gated, normalize, K, parts in [(True, True, 64, (1, 2, 4)), (True, False, 64, (1, 6)),
+                                       (False, True, 64, (1, 6)), (True, True, 128, (1, 6))]:
+        rule = hla_fast.hla2_config(4, 32768, 16, K, K, torch.bfloat16, cuda, gated=gated, normalize=normalize)
+        assert rule == hla_fast.hla2_config(4, 32768, 16, K, K, torch.bfloat16, cuda).replace(grad_parts=parts)
     c = hla_fast.hla2_config(4, 32768, 16, 128, 128, torch.bfloat16, cuda)
     # 128 eight-warp programs (two value blocks a head), one a multiprocessor: one segment
     assert (c.fwd_chunk, c.bwd_chunk, c.fwd_warps, c.fwd_segments, c.bwd_segments) == (32, 32, 8, 1, 1)
@@ -401,3 +406,21 @@ def test_chunk_beta_sums_the_gates_and_never_rises(row_sums, device):
             assert bool((rise == 0).all())
         else:
             assert bool((rise <= BT * 2.0 ** -24 * ref.abs()[1:]).all())
+
+
+@pytest.mark.parametrize("gated,normalize", [(False, False), (True, False), (False, True), (True, True)])
+def test_the_call_asks_the_rule_with_its_gates_and_normalization(gated, normalize, device, monkeypatch):
+    """Without a config, hla2 asks hla2_config for the layout of what it runs: gated or not,
+    normalized or not (the rule's gradient launches depend on both)."""
+    asked = []
+    rule = chunk.hla2_config
+
+    def spy(*args, **kw):
+        asked.append((kw.get("gated"), kw.get("normalize")))
+        return rule(*args, **kw)
+
+    monkeypatch.setattr(chunk, "hla2_config", spy)
+    q, k, v = rand_qkv(1, 9, 2, 8, 8, seed=4, positive=True, device=device)
+    g = rand_gates(1, 9, 2, seed=5, device=device) if gated else None
+    hla_fast.hla2(q, k, v, g=g, gamma=None if gated else 0.9, normalize=normalize, backend="triton")
+    assert asked and set(asked) == {(gated, normalize)}

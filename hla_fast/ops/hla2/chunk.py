@@ -74,7 +74,7 @@ def bwd_value_width(K: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: torch.device,
-                chunk_size: int = 64) -> ChunkConfig:
+                chunk_size: int = 64, gated: bool = False, normalize: bool = False) -> ChunkConfig:
     """The default layout for one call, by the measurements in ``benchmarks/results/``
     (summarized, with the numbers, in hla_fast/README.md, "The configuration rule"):
 
@@ -87,7 +87,13 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
       program a multiprocessor), at least MIN_SEGMENT_CHUNKS chunks each; the backward walk is
       segmented only with 4-warp programs (the fold's fp32 product of two 128-wide tiles does not
       fit in shared memory) (``hla2_h200_variants.md``, ``hla2_h200_segments.md``);
-    * gradients from two launches, dq and (dk, dv) (``hla2_h200_variants.md``); for fp32 inputs
+    * gradients from two launches, dq and (dk, dv) (``hla2_h200_variants.md``); three, dq, dk and
+      dv, for a bf16 call both ``gated`` (log-gates g) and ``normalize``d with heads up to 64 wide,
+      whose (dk, dv) launch spilled 1.3 KB a thread by an sm_90 compile: 8.22 against 9.28 ms
+      forward + backward at K = V = 64, T = 32k, while gated alone took 6.30 against 6.31 and
+      normalized alone 6.88 against 6.90 (31.7 against 30.8 at K = V = 128)
+      (``hla2_h200_ab_gates_normalize_parts124.json``, ``hla2_h200_ab_gates_parts124.json``,
+      ``hla2_h200_ab_normalize_parts124.json``); for fp32 inputs
       one launch per gradient: the tf32x3 products made the gradient kernel a first training
       call's slowest compile, and a call's kernels compile in parallel (``hla2_h200_first_call_rule.md``,
       ``compile_report.py``; ``hla2_h200_fp32_layouts_first.json`` for the 8-warp layout not taken);
@@ -126,7 +132,7 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     bwd_seg = one_wave_segments(B * H, n_bwd, device, 2, MIN_SEGMENT_CHUNKS) if bwd_warps == 4 else 1
     keep = fwd_chunk == bwd_chunk and V <= bwd_value_width(K)
     # fp32: tf32x3 products; a gradient launch per gradient keeps each compile short
-    grad_parts = (1, 2, 4) if fp32 else (1, 6)
+    grad_parts = (1, 2, 4) if fp32 or (gated and normalize and not wide) else (1, 6)
     if not wide and keep and max(n_fwd, n_bwd) <= SHORT_CHUNKS:
         # a short sequence: host work per launch outweighs a longer walk
         fwd_seg = bwd_seg = 1
@@ -455,7 +461,10 @@ def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chu
     V = v.shape[-1]
 
     def cfg_for(width, v_width):
-        return config if config is not None else hla2_config(B, T, H, width, v_width, q.dtype, q.device, chunk_size)
+        if config is not None:
+            return config
+        return hla2_config(B, T, H, width, v_width, q.dtype, q.device, chunk_size, gated=g is not None,
+                           normalize=normalize)
 
     blocks = _feature_blocks(K)
     if len(blocks) == 1:
