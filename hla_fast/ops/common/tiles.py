@@ -225,14 +225,15 @@ def held_decays(G, IS_BF16: tl.constexpr):
     dots (IS_BF16), else as is.
 
     Per-token gates make G depend on loaded data, so the compiler cannot recompute it where it is
-    used (as it does a constant decay's, a function of the row and column indices) and holds the
+    used (as it can a constant decay's, a function of the row and column indices) and holds the
     fp32 tile in registers between its uses: with chunks of 64 in 4 warps that is 32 registers a
-    thread, and the kernels already spill. Held in fp16, G's rounding (unit roundoff 2^-11,
-    absolute 2^-25 below fp16's normal range) stays an eighth of the bf16 rounding (2^-8) that every
-    product it scales takes before its dot. A [32, 32] tile in 8 warps is 4 registers: there the
-    conversion only costs (HLA2's forward at K = V = 128, 6.06 against 6.29 ms,
-    ``benchmarks/results/hla2_h200_ab_held_decays.json``). Call it after G's first use, which takes
-    the fp32 tile."""
+    thread, and the kernels already spill. Held in fp16 it takes half (HLA2's forward at K = 64 with
+    a constant decay went from 1.20 to 1.10 ms too, ``hla2_h200_ab_held_decays_plain.json``), and
+    G's rounding (unit roundoff 2^-11, absolute 2^-25 below fp16's normal range) stays an eighth of
+    the bf16 rounding (2^-8) that every product it scales takes before its dot. A [32, 32] tile in
+    8 warps is 4 registers: there holding it only cost time (HLA2's forward at K = V = 128 took
+    6.29 ms held against 6.06 not, ``benchmarks/results/hla2_h200_ab_held_decays.json``). Call it
+    after G's first use, which takes the fp32 tile."""
     if IS_BF16 and G.shape[0] >= 64:
         H = G.to(tl.float16)
     else:
