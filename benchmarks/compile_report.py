@@ -58,14 +58,16 @@ def hopper_launchers(op):
     cuda = torch.device("cuda")
     launch.sm_count = lambda device: SMS
     launch.interpreter_on = lambda: False
-    chunk = importlib.import_module(f"hla_fast.ops.{op}.chunk")
-    for name in ("min_key_block", "min_value_block"):   # imported by name into the operator's module
-        if hasattr(chunk, name):
-            real = getattr(launch, name)
-            setattr(chunk, name, lambda device, real=real: real(cuda))
-    if hasattr(chunk, "value_block"):
-        chunk.value_block = lambda V, block_v, device, real=launch.value_block: real(V, block_v, cuda)
-    return chunk, cuda, Recorder()
+    # hla3 runs hla2's and ahla's launchers (its two stages)
+    for name_op in ("hla2", "ahla") if op == "hla3" else (op,):
+        mod = importlib.import_module(f"hla_fast.ops.{name_op}.chunk")
+        for name in ("min_key_block", "min_value_block"):   # imported by name into the operator's module
+            if hasattr(mod, name):
+                real = getattr(launch, name)
+                setattr(mod, name, lambda device, real=real: real(cuda))
+        if hasattr(mod, "value_block"):
+            mod.value_block = lambda V, block_v, device, real=launch.value_block: real(V, block_v, cuda)
+    return importlib.import_module(f"hla_fast.ops.{op}.chunk"), cuda, Recorder()
 
 
 def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, gates=False, normalize=False):
@@ -78,7 +80,7 @@ def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, 
 
     rule = getattr(hla_fast, f"{op}_config")
     kw = {"training": not forward_only} if op == "ahla" else ({"gated": gates, "normalize": normalize}
-                                                               if op == "hla2" else {})
+                                                               if op == "hla2" else {"gated": gates})
     cfg = rule(B, T, H, K, V, dtype, cuda, **kw).replace(**(changes or {}))
     meta = torch.device("meta")
     q = torch.empty(B, T, H, K, dtype=dtype, device=meta)
@@ -91,7 +93,7 @@ def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, 
     common = dict(chunk=cfg.fwd_chunk, segments=cfg.fwd_segments, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v,
                   stages=cfg.fwd_stages, launch=rec)
     if op == "hla2":
-        snap = chunk._snapshot_dtype(cfg, dtype) if save else None
+        snap = chunk.snapshot_dtype(cfg, dtype) if save else None
         cs = chunk.fwd_launch(q, k, v, g, gamma, None, None, None, snapshots=snap, normalize=normalize, eps=1e-6,
                               **common)[5]
         if not forward_only:
@@ -105,11 +107,24 @@ def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, 
         if not forward_only:
             chunk.bwd_launch(q, k, v, do, g, gamma, None, None, None, None, cfg, states=cs, want_db=gates,
                              launch=rec)
-    else:
-        cs = chunk.hla3_fwd(q, k, v, g, gamma, None, None, None, snapshots=save, **common)[4]
+    else:   # hla3's two stages, as HLA3StagedFunction runs them
+        from hla_fast.ops.ahla.chunk import layer_bwd, layer_fwd
+        from hla_fast.ops.hla2 import chunk as hla2
+
+        # the first stage in its own rule's layout (the config changes apply to both stages)
+        cfg1 = chunk.first_stage_config(B, T, H, K, V, dtype, cuda, training=not forward_only).replace(
+            **(changes or {}))
+        save1 = cfg1.save_states and cfg1.fwd_chunk == cfg1.bwd_chunk and not forward_only
+        r, _, cs_p = layer_fwd(q, k, v, g, gamma, None, cfg1, keep_states=save1, launch=rec)
+        keep = not forward_only and chunk._keeps(cfg, q, V)
+        cs = hla2.fwd_launch(q, k, r, g, gamma, None, None, None, snapshots=hla2.snapshot_dtype(cfg, dtype) if keep
+                             else None, rate=2, **common)[5]
         if not forward_only:
-            chunk.hla3_bwd(q, k, v, do, g, gamma, None, None, None, None, None, None, cfg,
-                           states=cs if save else None, want_db=gates, launch=rec)
+            dq, dk, _, _, dr, *_ = hla2.bwd_launch(q, k, r, do, g, gamma, None, None, None, None, cfg, states=cs,
+                                                  want_db=gates, rate=2, launch=rec)
+            if cs_p is None:
+                cs_p = chunk.first_stage_states(q, k, v, g, gamma, None, cfg1, launch=rec)
+            layer_bwd(q, k, v, dr, g, gamma, cs_p, None, False, cfg1, dq_in=dq, dk_in=dk, want_db=gates, launch=rec)
     return cfg, rec.launches
 
 

@@ -4,7 +4,7 @@ For each case ``op:K:T`` (op in hla2, ahla, hla3; K = V; bf16, B = 4, H = 16, ga
 default configuration), ``op:K:T:g`` (per-token log-gates g that require grad instead of gamma),
 ``op:K:T:n`` (normalize=True, on |q| and |k|) or ``op:K:T:gn`` (both), two warm-up calls, then three
 forward + backward calls under the profiler; every kernel's self CUDA time is divided by three.
-Triton kernels appear under their function names (``hla3_bwd_grad_kernel``), torch's own (sums,
+Triton kernels appear under their function names (``hla2_bwd_grad_kernel``), torch's own (sums,
 casts, fills) under theirs.
 
     python benchmarks/profile_kernels.py --tag h200                 # the recorded run (a GPU)

@@ -183,14 +183,16 @@ def test_leaves_share_memory_and_mirror_requires_grad():
 
 
 def compiled_kernels(op):
-    """Compiled specializations held in memory by every kernel of ``op``'s chunk module."""
-    mod = importlib.import_module(f"hla_fast.ops.{op}.chunk_kernels")
+    """Compiled specializations held in memory by every kernel ``op`` launches (hla3's: AHLA's and
+    HLA2's, its two stages)."""
     total = 0
-    for name in dir(mod):
-        kernel = getattr(mod, name)
-        if name.endswith("_kernel"):
-            jit = getattr(kernel, "fn", kernel)
-            total += sum(len(caches[0]) for caches in jit.device_caches.values())
+    for owner in ("ahla", "hla2") if op == "hla3" else (op,):
+        mod = importlib.import_module(f"hla_fast.ops.{owner}.chunk_kernels")
+        for name in dir(mod):
+            kernel = getattr(mod, name)
+            if name.endswith("_kernel"):
+                jit = getattr(kernel, "fn", kernel)
+                total += sum(len(caches[0]) for caches in jit.device_caches.values())
     return total
 
 

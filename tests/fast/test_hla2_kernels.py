@@ -322,8 +322,11 @@ def test_configuration_rule(monkeypatch):
     assert hla_fast.hla2_config(1, 2049, 2, 128, 128, torch.float32, cuda).fwd_segments == 1
     assert hla_fast.hla2_config(1, 2049, 2, 128, 128, torch.bfloat16, cuda).fwd_segments > 1
     assert hla_fast.hla2_config(1, 2049, 2, 64, 64, torch.float32, cuda).fwd_segments > 1
-    c = hla_fast.hla2_config(4, 32768, 16, 64, 64, torch.float32, cpu, chunk_size=128)
+    c = hla_fast.hla2_config(4, 32768, 16, 64, 64, torch.bfloat16, cpu, chunk_size=128)
     assert (c.fwd_chunk, c.bwd_chunk, c.fwd_segments, c.bwd_segments, c.save_states) == (128, 64, 1, 1, False)
+    # fp32 forward chunks of 128 do not fit in Hopper's shared memory (FP32_MAX_CHUNK)
+    c = hla_fast.hla2_config(4, 32768, 16, 64, 64, torch.float32, cpu, chunk_size=128)
+    assert (c.fwd_chunk, c.bwd_chunk, c.save_states) == (64, 64, True)
     hla_fast.hla2_config.cache_clear()
 
 

@@ -2,7 +2,7 @@
 contract (helpers.OPERATORS) and on both backends where the check is the backend's."""
 import pytest
 
-from .helpers import OPERATORS, rand_qkv, rand_state, torch
+from .helpers import OPERATORS, rand_qkv, rand_state, rel, torch
 
 import hla_fast
 
@@ -152,15 +152,20 @@ def test_config_fields_are_checked():
 
 
 @OPS
-def test_backward_pieces_only_where_the_operator_has_them(op, device):
-    q, k, v = _qkv(device=device)
-    cfg = hla_fast.ChunkConfig(fwd_chunk=16, bwd_chunk=16, fwd_block_v=16, bwd_pieces=2)
-    if op.name in ("hla2", "ahla"):
-        o, _ = op.op(q, k, v, backend="triton", config=cfg)   # these walk their backward in pieces
-        assert o.shape == v.shape
-    else:
-        with pytest.raises(ValueError, match=f"config.bwd_pieces must be 1 for {op.name}"):
-            op.op(q, k, v, backend="triton", config=cfg)
+def test_backward_pieces_give_the_whole_walks_gradients(op, device):
+    """config.bwd_pieces: every operator can walk its backward (hla3: its second stage's) in
+    pieces, the last first, with the gradients of one walk."""
+    q, k, v = _qkv(T=40, device=device)   # three chunks of 16: two pieces
+
+    def grads(pieces):
+        ins = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        cfg = hla_fast.ChunkConfig(fwd_chunk=16, bwd_chunk=16, fwd_block_v=16, bwd_pieces=pieces)
+        o, _ = op.op(*ins, gamma=0.9, backend="triton", config=cfg)
+        o.square().sum().backward()
+        return [x.grad for x in ins]
+
+    for a, b in zip(grads(1), grads(2)):
+        assert rel(b, a) < 1e-6
 
 
 @OPS
@@ -189,7 +194,9 @@ def test_stages_reach_the_launches(op, device):
     cfg = hla_fast.ChunkConfig(fwd_chunk=16, bwd_chunk=16, fwd_block_v=16, fwd_segments=2, bwd_segments=2,
                                grad_parts=(7,))
     chunk = __import__(f"hla_fast.ops.{op.name}.chunk", fromlist=["chunk"])
-    fwd_name = {"hla2": "hla2_fwd_kernel", "ahla": "ahla_fwd_kernel", "hla3": "hla3_fwd_kernel"}[op.name]
+    # hla3's forward: the first stage's walk (ahla's without its second layer), then hla2's at rate 2
+    fwd_names = {"hla2": ["hla2_fwd_kernel"], "ahla": ["ahla_fwd_kernel"],
+                 "hla3": ["ahla_fwd_kernel", "hla2_fwd_kernel"]}[op.name]
     outs = []
     for fs, bs in ((1, 1), (3, 2)):
         rec = Recorder()
@@ -201,13 +208,20 @@ def test_stages_reach_the_launches(op, device):
         state0 = {"hla2": (None,) * 3, "ahla": (None,) * 4, "hla3": (None,)}[op.name]
         with torch.no_grad():   # the operator's own forward, its launches recorded (nothing runs)
             getattr(chunk, f"{op.name}_chunked")(q, k, v, None, 0.9, *state0, False, 0.0, c, 16, launch=rec)
-        walks = [kw["num_stages"] for kern, _, kw in rec.launches if kern.fn.__name__ in (fwd_name, fwd_name.replace(
-            "fwd_kernel", "fwd_summary_kernel"))]
-        assert len(walks) == 2 and set(walks) == {fs}
+        for fwd_name in fwd_names:
+            walks = [kw["num_stages"] for kern, _, kw in rec.launches
+                     if kern.fn.__name__ in (fwd_name, fwd_name.replace("fwd_kernel", "fwd_summary_kernel"))]
+            assert len(walks) == 2 and set(walks) == {fs}
         rec = Recorder()
-        chunk_bwd = chunk.hla3_bwd if op.name == "hla3" else chunk.bwd_launch
-        extra = (None, None) if op.name == "hla3" else ()
-        chunk_bwd(q, k, v, torch.ones_like(v), None, 0.9, None, None, *extra, None, None, c, launch=rec)
+        if op.name == "hla3":
+            # its second stage's backward (the first stage's per-layer kernels keep their own stages,
+            # ahla.chunk.DH_STAGES and LAYER_STAGES, as AHLA's layered backward does)
+            from hla_fast.ops.hla2 import chunk as hla2_chunk
+
+            hla2_chunk.bwd_launch(q, k, v, torch.ones_like(v), None, 0.9, None, None, None, None, c, rate=2,
+                                  launch=rec)
+        else:
+            chunk.bwd_launch(q, k, v, torch.ones_like(v), None, 0.9, None, None, None, None, c, launch=rec)
         stages = {kern.fn.__name__: kw.get("num_stages") for kern, _, kw in rec.launches}
         assert stages[fwd_name] == bs   # the backward's recomputing walk
         assert all(s == bs for name, s in stages.items() if "fold" not in name), stages

@@ -236,7 +236,7 @@ def _common(q, gamma, g):
 
 def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, segments=1, prefetch=False,
                stages=1, outputs=True, normalize=False, eps=0.0, store_final=True, snapshots=None, keep_r=False,
-               launch=launch_kernel):
+               second=True, launch=launch_kernel):
     """Run the forward walk (after the segment summaries and fold when ``segments > 1``).
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] or None; all contiguous. p0, e0: fp32
@@ -246,7 +246,8 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
     prefetch: the walks load each next chunk's tiles ahead (``ChunkConfig.fwd_prefetch``).
     stages: the compiler pipelines the walks' loads this deep (``ChunkConfig.fwd_stages``).
     keep_r: with snapshots, also keep the first order's output R [B, T, H, V] (v's dtype) for the
-    layered backward.
+    layered backward. second=False: the first layer alone (:func:`layer_fwd`): o is R, and E, its
+    snapshots and the summaries' R moment are neither computed nor returned (None); not normalized.
     Returns (o [B, T, H, V] or None, den [B, T, H] fp32 or None, P_T, E_T, p_T or None,
     e_T or None, (cs_p, cs_e, R or None) or None; cs_p, cs_e [B*H, NT, K, V])."""
     B, T, H, K = q.shape
@@ -256,6 +257,8 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
     BV = value_block(V, block_v, dev)
     NV, NT = cdiv(V, BV), cdiv(T, chunk)
     NS, nseg = split_segments(NT, segments)
+    if not second and normalize:
+        raise ValueError("the first layer alone (second=False) is not normalized")
     flags, lg = _common(q, gamma, g)
     kw = dict(H=H, K=K, V=V, BT=chunk, BK=BK, BV=BV, num_warps=warps, num_stages=stages, **flags)
     walk = dict(kw, PREFETCH=prefetch, SCALE_ROWS=chunk >= SCALE_ROWS_MIN_CHUNK)
@@ -273,30 +276,35 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
         def kvec():
             return torch.empty(BH * nseg, K, device=dev, dtype=f32) if normalize else None
 
-        sums = dict(sum_p=kv(), sum_e=kv(), sum_pn=kvec(), sum_en=kvec(),
-                    sum_r=torch.empty(BH * nseg, K, K, device=dev, dtype=f32),
+        sums = dict(sum_p=kv(), sum_e=kv() if second else None, sum_pn=kvec(), sum_en=kvec(),
+                    sum_r=torch.empty(BH * nseg, K, K, device=dev, dtype=f32) if second else None,
                     sum_lr=torch.empty(BH * nseg, device=dev, dtype=f32))
         launch(ahla_fwd_summary_kernel, (NV, nseg, BH), q=q, k=k, v=v, g=g, **sums, log_gamma=lg, T=T, NS=NS, **walk)
-        seg = (kv(), kv(), kvec(), kvec())
+        seg = (kv(), kv() if second else None, kvec(), kvec())
         launch(ahla_fwd_fold_kernel, (NV, BH),
             **sums, h0_p=p0, h0_e=e0, h0_pn=pn0, h0_en=en0, seg_p=seg[0], seg_e=seg[1], seg_pn=seg[2],
             seg_en=seg[3], NSEG=nseg, K=K, V=V, BK=BK, BV=BV, PREC=flags["PREC"], num_warps=warps)
         h0 = seg
-    o = torch.empty_like(v) if outputs else None
+    o = torch.empty_like(v) if (outputs and second) else None
     den = torch.empty(B, T, H, device=dev, dtype=f32) if (outputs and normalize) else None
     ht = (None,) * 4
     if store_final:
-        ht = (torch.empty(B, H, K, V, device=dev, dtype=f32), torch.empty(B, H, K, V, device=dev, dtype=f32),
+        ht = (torch.empty(B, H, K, V, device=dev, dtype=f32),
+              torch.empty(B, H, K, V, device=dev, dtype=f32) if second else None,
               torch.empty(B, H, K, device=dev, dtype=f32) if normalize else None,
               torch.empty(B, H, K, device=dev, dtype=f32) if normalize else None)
     cs = None
     if snapshots is not None:
-        cs = tuple(torch.empty(BH, NT, K, V, device=dev, dtype=snapshots) for _ in range(2))
-        cs += (torch.empty_like(v) if keep_r else None,)
+        cs = (torch.empty(BH, NT, K, V, device=dev, dtype=snapshots),
+              torch.empty(BH, NT, K, V, device=dev, dtype=snapshots) if second else None,
+              torch.empty_like(v) if (keep_r and second) else None)
+    r = None if cs is None else cs[2]
+    if not second:
+        o = r = torch.empty_like(v)
     launch(ahla_fwd_kernel, (NV, nseg, BH),
-        q=q, k=k, v=v, g=g, o=o, den=den, h0_p=h0[0], h0_e=h0[1], h0_pn=h0[2], h0_en=h0[3],
+        q=q, k=k, v=v, g=g, o=o if second else None, den=den, h0_p=h0[0], h0_e=h0[1], h0_pn=h0[2], h0_en=h0[3],
         ht_p=ht[0], ht_e=ht[1], ht_pn=ht[2], ht_en=ht[3],
-        cs_p=None if cs is None else cs[0], cs_e=None if cs is None else cs[1], r=None if cs is None else cs[2],
+        cs_p=None if cs is None else cs[0], cs_e=None if cs is None else cs[1], r=r,
         log_gamma=lg, eps=eps, T=T, NS=NS, **walk)
     return o, den, ht[0], ht[1], ht[2], ht[3], cs
 
@@ -381,42 +389,66 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
 def _bwd_layers(q, k, v, do, g, gamma, p0, dht_p, dht_e, cfg: ChunkConfig, states, want_db, launch):
     """``bwd_launch`` as two first-order backwards (``ChunkConfig.bwd_layers``; the kernels'
     module docstring): the outer layer O = LA(Q, K, R) with state E, then the inner R = LA(Q, K, V)
-    with state P. Each: a walk over the chunks from last to first giving every chunk's end-state
-    gradient (``ahla_bwd_dh_kernel``, programs over key blocks of at most DH_BLOCK_K and value blocks),
-    then every chunk's gradients (``ahla_bwd_layer_kernel``). The outer's gives dR, the inner's
-    output gradient; its dq, dk wait in dq, dk (in their dtype) for the inner's to be added.
+    with state P (:func:`layer_bwd` each). The outer's gives dR, the inner's output gradient; its
+    dq, dk wait in dq, dk (in their dtype) for the inner's to be added, and db comes with the sums.
     states: (cs_p, cs_e, R) at chunk ``cfg.bwd_chunk``. Returns as ``bwd_launch``."""
+    cs_p, cs_e, r = states
+    dr, dq, dk, dE0, _ = layer_bwd(q, k, r, do, g, gamma, cs_e, dht_e, p0 is not None, cfg, launch=launch)
+    dv, dq, dk, dP0, db = layer_bwd(q, k, v, dr, g, gamma, cs_p, dht_p, p0 is not None, cfg, dq_in=dq, dk_in=dk,
+                                    want_db=want_db, db_own=False, launch=launch)
+    return dq, dk, dv, dP0, dE0, db
+
+
+def layer_bwd(q, k, x, dy, g, gamma, h0, dht, want_dh0, cfg: ChunkConfig, *, dq_in=None, dk_in=None,
+              want_db=False, db_own=True, launch=launch_kernel):
+    """The backward of one first-order layer Y = LA(Q, K, X) (gated linear attention with state H,
+    y_t = q_t^T H_t, H_t = a_t H_{t-1} + k_t x_t^T): a walk over the chunks from last to first
+    giving every chunk's end-state gradient (``ahla_bwd_dh_kernel``, programs over key blocks of
+    at most DH_BLOCK_K and value blocks), then every chunk's gradients (``ahla_bwd_layer_kernel``).
+
+    q, k: [B, T, H, K]; x, dy: [B, T, H, V]; g: [B, T, H] or None; h0: the layer's chunk-start
+    states [B*H, NT, K, V] at chunk ``cfg.bwd_chunk``; dht: the final state's gradient (fp32
+    [B, H, K, V]) or None; want_dh0: also the initial state's. dq_in, dk_in: another layer's dq, dk
+    (q's dtype; may be the tensors returned) added before storing. want_db: dL/db [B, T, H] fp32
+    (without the final state's share) of this layer alone (db_own) or of the sums with dq_in, dk_in.
+    Returns dx, dq, dk (inputs' dtypes), dH0 (fp32, or None), db (or None)."""
     B, T, H, K = q.shape
-    V = v.shape[-1]
+    V = x.shape[-1]
     BH, dev, f32 = B * H, q.device, torch.float32
     BT, nw = cfg.bwd_chunk, cfg.bwd_warps
     BK, BV = bwd_blocks(K, V, dev)
     BKW = min(BK, DH_BLOCK_K)
     NT = cdiv(T, BT)
-    cs_p, cs_e, r = states
     flags, lg = _common(q, gamma, g)
     kw = dict(H=H, K=K, V=V, BT=BT, BV=BV, **flags)
-    walk_kw = dict(kw, BK=BKW, num_warps=DH_WARPS, num_stages=DH_STAGES)
-    grad_kw = dict(kw, BK=BK, num_warps=nw, num_stages=LAYER_STAGES)
-    dst = _dstate_dtype(_snapshot_dtype(cfg, q.dtype), BK)
-    dh0 = ((torch.empty(B, H, K, V, device=dev, dtype=f32), torch.empty(B, H, K, V, device=dev, dtype=f32))
-           if p0 is not None else (None, None))
-    dht = [None if x is None else x.float().contiguous() for x in (dht_p, dht_e)]
-    dq, dk, dv, dr = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(v)
+    dh0 = torch.empty(B, H, K, V, device=dev, dtype=f32) if want_dh0 else None
+    dht = None if dht is None else dht.float().contiguous()
+    dh_end = torch.empty(BH, NT, K, V, device=dev, dtype=_dstate_dtype(h0.dtype, BK))
+    dx = torch.empty_like(x)
+    dq = torch.empty_like(q) if dq_in is None else dq_in
+    dk = torch.empty_like(k) if dk_in is None else dk_in
     db = torch.empty(B, T, H, device=dev, dtype=f32) if want_db else None
-    dh_end = torch.empty(BH, NT, K, V, device=dev, dtype=dst)
-    walk = (cdiv(V, BV), cdiv(K, BKW), BH)
-    # -- the outer layer: dE walk over dO, then dR and the outer's dq, dk -----------------------
-    launch(ahla_bwd_dh_kernel, walk, q=q, dy=do, g=g, dh_end=dh_end, dht=dht[1], dh0=dh0[1], log_gamma=lg, T=T,
-           **walk_kw)
-    launch(ahla_bwd_layer_kernel, (NT, BH), q=q, k=k, x=r, dy=do, g=g, h0=cs_e, dh_end=dh_end, dx=dr, dq=dq, dk=dk,
-           dq_in=None, dk_in=None, db=None, log_gamma=lg, T=T, **grad_kw)
-    # -- the inner layer: dP walk over dR, then dv and the sums dq, dk (and db) --------------------
-    launch(ahla_bwd_dh_kernel, walk, q=q, dy=dr, g=g, dh_end=dh_end, dht=dht[0], dh0=dh0[0], log_gamma=lg, T=T,
-           **walk_kw)
-    launch(ahla_bwd_layer_kernel, (NT, BH), q=q, k=k, x=v, dy=dr, g=g, h0=cs_p, dh_end=dh_end, dx=dv, dq=dq, dk=dk,
-           dq_in=dq, dk_in=dk, db=db, log_gamma=lg, T=T, **grad_kw)
-    return dq, dk, dv, dh0[0], dh0[1], db
+    launch(ahla_bwd_dh_kernel, (cdiv(V, BV), cdiv(K, BKW), BH), q=q, dy=dy, g=g, dh_end=dh_end, dht=dht, dh0=dh0,
+           log_gamma=lg, T=T, BK=BKW, num_warps=DH_WARPS, num_stages=DH_STAGES, **kw)
+    launch(ahla_bwd_layer_kernel, (NT, BH), q=q, k=k, x=x, dy=dy, g=g, h0=h0, dh_end=dh_end, dx=dx, dq=dq, dk=dk,
+           dq_in=dq_in, dk_in=dk_in, db=db, log_gamma=lg, T=T, DB_OWN=db_own, BK=BK, num_warps=nw,
+           num_stages=LAYER_STAGES, **kw)
+    return dx, dq, dk, dh0, db
+
+
+def layer_fwd(q, k, v, g, gamma, p0, cfg: ChunkConfig, *, keep_states=False, launch=launch_kernel):
+    """One first-order layer R = LA(Q, K, V) from state P0 (the forward walk without its second
+    layer: ``ahla_fwd_kernel`` without HAS_E), in ``cfg``'s forward layout.
+
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] or None (contiguous); p0: fp32 [B, H, K, V]
+    or None. keep_states: also the chunk-start states at chunk ``cfg.fwd_chunk`` for
+    :func:`layer_bwd` (in the snapshots' dtype). Returns (R [B, T, H, V] (v's dtype), P_T fp32
+    [B, H, K, V], cs_p [B*H, NT, K, V] or None)."""
+    r, _, PT, _, _, _, cs = fwd_launch(
+        q, k, v, g, gamma, p0, None, None, None, chunk=cfg.fwd_chunk, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v,
+        segments=cfg.fwd_segments, prefetch=cfg.fwd_prefetch, stages=cfg.fwd_stages,
+        snapshots=_snapshot_dtype(cfg, q.dtype) if keep_states else None, second=False, launch=launch)
+    return r, PT, None if cs is None else cs[0]
 
 
 def _cat_last(a, b):

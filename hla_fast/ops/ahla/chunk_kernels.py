@@ -170,19 +170,22 @@ def _chunk_first_order(b_q, b_kt, b_v, P, pn, G, g1, NORM: tl.constexpr, IS_BF16
 
 @triton.jit
 def _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM: tl.constexpr, IS_BF16: tl.constexpr,
-                 PREC: tl.constexpr, SCALE_ROWS: tl.constexpr):
+                 PREC: tl.constexpr, SCALE_ROWS: tl.constexpr, HAS_E: tl.constexpr = True):
     """The state at the chunk's end: P <- gC P0 + Kg^T V, E <- gC E0 + Kg^T R (p, e: the same on
-    the column of ones, when NORM). Kg^T V = K^T (diag(gl) V): SCALE_ROWS scales the rows of V
-    and R ([BT, BV] tiles) so that K^T enters both products as loaded, else K^T's columns (one
-    [BK, BT] tile for both). Which is faster depends on the chunk (``SCALE_ROWS_MIN_CHUNK`` in
-    chunk.py). p and e take Kg^T's rows summed either way (vector work, no product)."""
+    the column of ones, when NORM; E only with HAS_E). Kg^T V = K^T (diag(gl) V): SCALE_ROWS scales
+    the rows of V and R ([BT, BV] tiles) so that K^T enters both products as loaded, else K^T's
+    columns (one [BK, BT] tile for both). Which is faster depends on the chunk
+    (``SCALE_ROWS_MIN_CHUNK`` in chunk.py). p and e take Kg^T's rows summed either way (vector
+    work, no product)."""
     b_kgt = b_kt * gl[None, :]                                             # Kg^T [BK, BT]
     if SCALE_ROWS:
         P = P * gC + dot(b_kt, b_v * gl[:, None], IS_BF16, PREC)
-        E = E * gC + dot(b_kt, b_r * gl[:, None], IS_BF16, PREC)
+        if HAS_E:
+            E = E * gC + dot(b_kt, b_r * gl[:, None], IS_BF16, PREC)
     else:
         P = P * gC + dot(b_kgt, b_v, IS_BF16, PREC)
-        E = E * gC + dot(b_kgt, b_r, IS_BF16, PREC)
+        if HAS_E:
+            E = E * gC + dot(b_kgt, b_r, IS_BF16, PREC)
     if NORM:
         en = en * gC + tl.sum(b_kgt.to(tl.float32) * r_n[None, :], axis=1)
         pn = pn * gC + tl.sum(b_kgt.to(tl.float32), axis=1)
@@ -197,12 +200,14 @@ def _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM: tl.constexpr, 
     "STORE_R": lambda a: a["r"] is not None,
     "STORE_FINAL": lambda a: a["ht_p"] is not None,
     "NORM": lambda a: a["ht_pn"] is not None or a["den"] is not None,
+    "HAS_E": lambda a: a["o"] is not None or a["ht_e"] is not None or a["cs_e"] is not None,
 })
 @triton.jit
 def ahla_fwd_kernel(
     q, k, v, g,              # q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] or None
     o, den,                  # out: o [B, T, H, V] or None; den [B, T, H] fp32 (normalize) or None
     h0_p, h0_e, h0_pn, h0_en,  # start state of every segment, fp32 [B*H*NSEG, K, V] x 2, [.., K] x 2; or None
+                             #   (h0_e None: zero, or not carried)
     ht_p, ht_e, ht_pn, ht_en,  # out: final state [B*H, K, V] x 2, [B*H, K] x 2; or None
     cs_p, cs_e,              # out: chunk-start snapshots [B*H, NT, K, V] x 2; or None
     r,                       # out: the first order's output R [B, T, H, V] (v's dtype); or None
@@ -212,12 +217,15 @@ def ahla_fwd_kernel(
     HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
     HAS_G: tl.constexpr, HAS_INIT: tl.constexpr, HAS_O: tl.constexpr, SAVE_STATES: tl.constexpr,
     STORE_R: tl.constexpr, STORE_FINAL: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr,
-    SCALE_ROWS: tl.constexpr,
+    SCALE_ROWS: tl.constexpr, HAS_E: tl.constexpr,
 ):
     """One program per (value block, segment, batch*head) walks its segment's chunks in order,
     keeping its columns of P and E (and all of p, e when NORM) in fp32 registers: outputs (HAS_O,
     normalized when NORM), chunk-start snapshots (SAVE_STATES), the first order's output R for the
-    layered backward (STORE_R) and the final state (STORE_FINAL, last segment)."""
+    layered backward (STORE_R) and the final state (STORE_FINAL, last segment).
+
+    Without HAS_E (no output, E's snapshot or final state asked for) the walk is first-order
+    attention alone, R = LA(q, k, v) with state P: third order's first stage (``hla3``)."""
     # -- which piece of work this program owns ---------------------------------------------
     i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NSEG = tl.num_programs(1)
@@ -234,7 +242,7 @@ def ahla_fwd_kernel(
     # -- the state at the segment's start -------------------------------------------------
     i_sg = i_bh.to(tl.int64) * NSEG + i_n
     P = mat_or_zeros(h0_p, i_sg * K * V, rk, mk, rv, mv, V, BK, BV, HAS_INIT)    # [BK, BV]
-    E = mat_or_zeros(h0_e, i_sg * K * V, rk, mk, rv, mv, V, BK, BV, HAS_INIT)    # [BK, BV]
+    E = mat_or_zeros(h0_e, i_sg * K * V, rk, mk, rv, mv, V, BK, BV, HAS_INIT and HAS_E)  # [BK, BV]
     if NORM:
         pn = vec_or_zeros(h0_pn, i_sg * K, rk, mk, BK, HAS_INIT)                 # [BK]
         en = vec_or_zeros(h0_en, i_sg * K, rk, mk, BK, HAS_INIT)                 # [BK]
@@ -255,7 +263,8 @@ def ahla_fwd_kernel(
         if SAVE_STATES:
             off_cs = (i_bh.to(tl.int64) * NT + i_c) * K * V
             store_mat(cs_p + off_cs, P, rk, mk, rv, mv, V)
-            store_mat(cs_e + off_cs, E, rk, mk, rv, mv, V)
+            if HAS_E:
+                store_mat(cs_e + off_cs, E, rk, mk, rv, mv, V)
         # -- first order: R = diag(g1) Q P0 + A V ------------------------------------------
         b_a, b_r, r_n = _chunk_first_order(b_q, b_kt, b_v, P, pn, G, g1, NORM, IS_BF16, PREC)
         if STORE_R:
@@ -272,13 +281,15 @@ def ahla_fwd_kernel(
             tl.store(o + off_v + t[:, None] * (H * V) + rv[None, :], b_o.to(o.dtype.element_ty),
                      mask=mt[:, None] & mv[None, :])
         # -- carry the state to the chunk's end --------------------------------------------
-        P, E, pn, en = _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM, IS_BF16, PREC, SCALE_ROWS)
+        P, E, pn, en = _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM, IS_BF16, PREC, SCALE_ROWS,
+                                    HAS_E)
 
     if STORE_FINAL:
         if i_n == NSEG - 1:
             base = i_bh.to(tl.int64) * K * V
             store_mat(ht_p + base, P, rk, mk, rv, mv, V)
-            store_mat(ht_e + base, E, rk, mk, rv, mv, V)
+            if HAS_E:
+                store_mat(ht_e + base, E, rk, mk, rv, mv, V)
             if NORM:
                 if i_v == 0:
                     tl.store(ht_pn + i_bh * K + rk, pn, mask=mk)
@@ -288,18 +299,21 @@ def ahla_fwd_kernel(
 @triton.heuristics({
     "HAS_G": lambda a: a["g"] is not None,
     "NORM": lambda a: a["sum_pn"] is not None,
+    "HAS_E": lambda a: a["sum_e"] is not None,
 })
 @triton.jit
 def ahla_fwd_summary_kernel(
     q, k, v, g,                  # as in ahla_fwd_kernel
     sum_p, sum_e, sum_pn, sum_en,  # out: each segment's end state from a zero start, fp32
-                                 #      [B*H*NSEG, K, V] x 2, [.., K] x 2 (NORM, else None)
+                                 #      [B*H*NSEG, K, V] x 2, [.., K] x 2 (NORM, else None);
+                                 #      sum_e None: first order alone (no E, no R)
     sum_r, sum_lr,               # out: R = sum_i k_i q_i^T over the segment [B*H*NSEG, K, K]; log rho [B*H*NSEG]
     log_gamma, T, NS,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
     HAS_G: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr, SCALE_ROWS: tl.constexpr,
+    HAS_E: tl.constexpr,
 ):
     """Each segment's summary: the state (P, E[, p, e]) after it from a zero state, the undecayed
     moment R = sum_i k_i q_i^T and log rho = b_end - b_start (its total log decay). A start state
@@ -334,15 +348,21 @@ def ahla_fwd_summary_kernel(
         b_q, b_kt, b_v, n_q, n_kt, n_v = _step_loads(q, k, v, n_q, n_kt, n_v, off_k, off_v, t, mt, t + BT, t + BT < end,
                                                      rk, mk, rv, mv, H, K, V, True, IS_BF16, PREFETCH)
         G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
-        b_a, b_r, r_n = _chunk_first_order(b_q, b_kt, b_v, P, pn, G, g1, NORM, IS_BF16, PREC)
-        P, E, pn, en = _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM, IS_BF16, PREC, SCALE_ROWS)
-        R += dot(b_kt, b_q, IS_BF16, PREC)                                   # K^T Q  [BK, BK]
+        if HAS_E:
+            b_a, b_r, r_n = _chunk_first_order(b_q, b_kt, b_v, P, pn, G, g1, NORM, IS_BF16, PREC)
+            R += dot(b_kt, b_q, IS_BF16, PREC)                               # K^T Q  [BK, BK]
+        else:   # P alone needs neither R nor the chunk's products with Q
+            b_r, r_n = 0.0, 0.0
+        P, E, pn, en = _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM, IS_BF16, PREC, SCALE_ROWS,
+                                    HAS_E)
         log_rho += bL
     i_sg = i_bh.to(tl.int64) * NSEG + i_n
     store_mat(sum_p + i_sg * K * V, P, rk, mk, rv, mv, V)
-    store_mat(sum_e + i_sg * K * V, E, rk, mk, rv, mv, V)
+    if HAS_E:
+        store_mat(sum_e + i_sg * K * V, E, rk, mk, rv, mv, V)
     if i_v == 0:
-        store_mat(sum_r + i_sg * K * K, R, rk, mk, rk, mk, K)
+        if HAS_E:
+            store_mat(sum_r + i_sg * K * K, R, rk, mk, rk, mk, K)
         tl.store(sum_lr + i_sg, log_rho)
         if NORM:
             tl.store(sum_pn + i_sg * K + rk, pn, mask=mk)
@@ -352,6 +372,7 @@ def ahla_fwd_summary_kernel(
 @triton.heuristics({
     "HAS_INIT": lambda a: a["h0_p"] is not None,
     "NORM": lambda a: a["sum_pn"] is not None,
+    "HAS_E": lambda a: a["sum_e"] is not None,
 })
 @triton.jit
 def ahla_fwd_fold_kernel(
@@ -360,31 +381,34 @@ def ahla_fwd_fold_kernel(
     seg_p, seg_e, seg_pn, seg_en,                # out: state at each segment's start [B*H*NSEG, ..]
     NSEG,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PREC: tl.constexpr, HAS_INIT: tl.constexpr, NORM: tl.constexpr,
+    PREC: tl.constexpr, HAS_INIT: tl.constexpr, NORM: tl.constexpr, HAS_E: tl.constexpr,
 ):
     """Fold the segment summaries in order (the combine of ``hla_ref.ahla_combine``): with
-    rho = exp(log rho),  E <- rho E + rho R_seg P + E_seg,  P <- rho P + P_seg  (p, e alike)."""
+    rho = exp(log rho),  E <- rho E + rho R_seg P + E_seg,  P <- rho P + P_seg  (p, e alike;
+    E only with HAS_E)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     rk = tl.arange(0, BK)
     rv = i_v * BV + tl.arange(0, BV)
     mk = rk < K
     mv = rv < V
     P = mat_or_zeros(h0_p, i_bh.to(tl.int64) * K * V, rk, mk, rv, mv, V, BK, BV, HAS_INIT)
-    E = mat_or_zeros(h0_e, i_bh.to(tl.int64) * K * V, rk, mk, rv, mv, V, BK, BV, HAS_INIT)
+    E = mat_or_zeros(h0_e, i_bh.to(tl.int64) * K * V, rk, mk, rv, mv, V, BK, BV, HAS_INIT and HAS_E)
     if NORM:
         pn = vec_or_zeros(h0_pn, i_bh.to(tl.int64) * K, rk, mk, BK, HAS_INIT)
         en = vec_or_zeros(h0_en, i_bh.to(tl.int64) * K, rk, mk, BK, HAS_INIT)
     for i_s in range(0, NSEG):
         i_sg = i_bh.to(tl.int64) * NSEG + i_s
         store_mat(seg_p + i_sg * K * V, P, rk, mk, rv, mv, V)
-        store_mat(seg_e + i_sg * K * V, E, rk, mk, rv, mv, V)
+        if HAS_E:
+            store_mat(seg_e + i_sg * K * V, E, rk, mk, rv, mv, V)
         if NORM:
             if i_v == 0:
                 tl.store(seg_pn + i_sg * K + rk, pn, mask=mk)
                 tl.store(seg_en + i_sg * K + rk, en, mask=mk)
         rho = tl.exp(tl.load(sum_lr + i_sg))
-        b_r = load_mat(sum_r + i_sg * K * K, rk, mk, rk, mk, K)
-        E = (E + tl.dot(b_r, P, input_precision=PREC)) * rho + load_mat(sum_e + i_sg * K * V, rk, mk, rv, mv, V)
+        if HAS_E:
+            b_r = load_mat(sum_r + i_sg * K * K, rk, mk, rk, mk, K)
+            E = (E + tl.dot(b_r, P, input_precision=PREC)) * rho + load_mat(sum_e + i_sg * K * V, rk, mk, rv, mv, V)
         P = P * rho + load_mat(sum_p + i_sg * K * V, rk, mk, rv, mv, V)
         if NORM:
             en = (en + tl.sum(b_r * pn[None, :], axis=1)) * rho + load_vec(sum_en + i_sg * K, rk, mk)
@@ -787,6 +811,8 @@ def ahla_bwd_layer_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
     HAS_G: tl.constexpr, HAS_ACC: tl.constexpr, HAS_DB: tl.constexpr,
+    DB_OWN: tl.constexpr,    # db of this layer's dq, dk alone (hla3's stages have other factors), else
+                             #   of the sums with dq_in, dk_in (AHLA's two layers share theirs)
 ):
     """One program per (chunk, batch*head): one first-order layer's gradients of a chunk,
     Y = diag(g1) Q H0 + A X with A = (Q K^T) o G and the state's end H = gC H0 + Kg^T X:
@@ -798,7 +824,7 @@ def ahla_bwd_layer_kernel(
     them, and the two products with the key tiles follow once. dM^T comes from its own dot of
     loaded tiles (X dY^T o G^T), as A^T (K Q^T o G^T). With HAS_ACC the other layer's dq_in,
     dk_in (stored in dq's dtype) are added before storing; the gate gradient db needs the sum,
-    so it comes with the second layer."""
+    so it comes with the second layer (DB_OWN: db of this layer's share alone)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     NT = tl.cdiv(T, BT)
     off_k, off_v, off_g = _head_offsets(i_bh, T, H, K, V)
@@ -843,11 +869,16 @@ def ahla_bwd_layer_kernel(
     b_dk = b_dkh * gl[:, None] + dot(b_dmt, b_q, IS_BF16, PREC)
     p_k = off_k + t[:, None] * (H * K) + rk[None, :]
     m_tk = mt[:, None] & mk[None, :]
+    if HAS_DB:
+        if DB_OWN:
+            b_db = tl.sum(b_q.to(tl.float32) * b_dq, axis=1) - tl.sum(b_k.to(tl.float32) * b_dk, axis=1)
+            tl.store(db + off_g + t * H, b_db, mask=mt)
     if HAS_ACC:
         b_dq += tl.load(dq_in + p_k, mask=m_tk, other=0.0).to(tl.float32)
         b_dk += tl.load(dk_in + p_k, mask=m_tk, other=0.0).to(tl.float32)
     tl.store(dq + p_k, b_dq.to(dq.dtype.element_ty), mask=m_tk)
     tl.store(dk + p_k, b_dk.to(dk.dtype.element_ty), mask=m_tk)
     if HAS_DB:
-        b_db = tl.sum(b_q.to(tl.float32) * b_dq, axis=1) - tl.sum(b_k.to(tl.float32) * b_dk, axis=1)
-        tl.store(db + off_g + t * H, b_db, mask=mt)
+        if not DB_OWN:
+            b_db = tl.sum(b_q.to(tl.float32) * b_dq, axis=1) - tl.sum(b_k.to(tl.float32) * b_dk, axis=1)
+            tl.store(db + off_g + t * H, b_db, mask=mt)

@@ -219,6 +219,16 @@ def chunk_factors(g, g_off, log_gamma, t, mt, H: tl.constexpr, BT: tl.constexpr,
 
 
 @triton.jit
+def ipow(x, N: tl.constexpr):
+    """x ** N for a constexpr N >= 1, as N - 1 products (a decay factor raised to an index's
+    rate: exact where x is 0 or 1, no exp or log). ``ipow(x, 1)`` is x itself."""
+    y = x
+    for _ in tl.static_range(N - 1):
+        y = y * x
+    return y
+
+
+@triton.jit
 def held_decays(G, IS_BF16: tl.constexpr):
     """A decay tile G (or G^T) as a kernel keeps it between its first use and its later ones:
     fp16 for chunks of 64 rows or more when the products it scales are rounded to bf16 for their

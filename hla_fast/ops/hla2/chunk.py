@@ -57,6 +57,11 @@ TILE_MAX = 128
 # width of the feature blocks a head wider than TILE_MAX is cut into: with 128-wide blocks the
 # backward of a cross pair did not fit the H200's shared memory (hla_fast/README.md, wide heads)
 FEATURE_BLOCK = 64
+# longest forward chunk of inputs whose tiles are fp32 (fp32 and fp16 inputs): hla2_fwd_kernel on
+# chunks of 128 at K = 16 takes 256 KB of shared memory by an sm_90 compile, fp32 and fp16 alike
+# (benchmarks/results/compile_hla2_fp32_chunk128_cpu.md, compile_hla2_fp16_chunk128_cpu.md), past Hopper's 227 KB (an H200 refused
+# third order's launch of it, which runs this kernel)
+FP32_MAX_CHUNK = 64
 # fewest chunks a segment walks when segments are picked by occupancy
 MIN_SEGMENT_CHUNKS = 4
 # a sequence of at most SHORT_CHUNKS chunks (heads up to 64 wide) walks in one segment and computes
@@ -78,7 +83,8 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     """The default layout for one call, by the measurements in ``benchmarks/results/``
     (summarized, with the numbers, in hla_fast/README.md, "The configuration rule"):
 
-    * heads up to 64 wide: chunks of ``chunk_size`` forward and at most 64 backward; wider heads:
+    * heads up to 64 wide: chunks of ``chunk_size`` forward (at most FP32_MAX_CHUNK for fp32 and
+      fp16 inputs, whose tiles are fp32) and at most 64 backward; wider heads:
       chunks of at most 32 in both passes (fewer live tiles a program), 16 for fp32 inputs
       (``hla2_h200_first_call_rule.md``, ``hla2_h200_fp32_k128_chunk16.json``);
     * forward value blocks of 64 columns; backward value blocks of ``bwd_value_width(K)``;
@@ -118,7 +124,9 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     wide = max(K, V) > 64
     fp32 = dtype == torch.float32
     wide_chunk = 16 if fp32 else 32   # fp32: tf32x3 products of 32-row tiles were the slowest compiles
-    fwd_chunk = min(chunk_size, wide_chunk) if wide else chunk_size
+    # fp32 forward walks on chunks of 128 ask for 256 KB of shared memory (past Hopper's 227)
+    fp32_tiles = dtype != torch.bfloat16
+    fwd_chunk = min(chunk_size, wide_chunk) if wide else min(chunk_size, FP32_MAX_CHUNK if fp32_tiles else chunk_size)
     bwd_chunk = min(chunk_size, wide_chunk if wide else 64)
     block_v = min(64, pow2_block(V, min_value_block(device)))
     bwd_bv = min(pow2_block(V, min_value_block(device)), bwd_value_width(K))
@@ -164,26 +172,36 @@ def _bwd_width(q, q2):
     return bwd_value_width(max(q.shape[-1], (q if q2 is None else q2).shape[-1]))
 
 
-def _snapshot_dtype(cfg: ChunkConfig, dtype: torch.dtype) -> torch.dtype:
+def snapshot_dtype(cfg: ChunkConfig, dtype: torch.dtype) -> torch.dtype:
     """dtype of the per-chunk snapshots the backward reads as dot operands."""
     return torch.bfloat16 if (cfg.bf16_snapshots and bf16_dots(dtype)) else torch.float32
 
 
-def _common(q, gamma, g):
+def _common(q, gamma, g, rate):
     """Constexprs and scalars every launch shares."""
     return dict(HAS_DECAY=g is not None or gamma is not None, IS_BF16=bf16_dots(q.dtype),
-                PREC=dot_precision(q.dtype)), log_gamma(gamma) if g is None else 0.0
+                PREC=dot_precision(q.dtype), RATE=rate), log_gamma(gamma) if g is None else 0.0
+
+
+def _check_rate(rate, normalize):
+    """The inner index's rate: 1 (HLA2) or 2 (the second-order stage of ``hla3``), unnormalized."""
+    if rate not in (1, 2):
+        raise ValueError(f"rate must be 1 or 2, got {rate!r}")
+    if rate != 1 and normalize:
+        raise ValueError("normalize needs rate 1 (the ones column of a rate-2 stage is not a column of ones)")
 
 
 def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v, q2=None, k2=None, stages=1,
-               outputs=True, normalize=False, eps=0.0, store_final=True, snapshots=None, launch=launch_kernel):
+               outputs=True, normalize=False, eps=0.0, store_final=True, snapshots=None, rate=1,
+               launch=launch_kernel):
     """Run the forward walk (after the segment summaries and fold when ``segments > 1``).
 
     q, k: [B, T, H, K]; q2, k2: [B, T, H, K2] or None (plain HLA2); v: [B, T, H, V]; g: [B, T, H]
     or None; all contiguous. s0, w0, z0: fp32 [B, H, K, K2], [B, H, K, V], [B, H, K] or None.
     outputs: compute o (else only states). normalize: carry z and divide by (den + eps).
     snapshots: None, or the dtype to store every chunk-start state (S, W) in (z, when normalizing,
-    in fp32).
+    in fp32). rate: the inner index's rate c, the weight being exp((1 + c) b_t - b_i - c b_j)
+    (1: HLA2; 2: the second-order stage of ``hla3``; ``chunk_kernels._inner_factors``).
     Returns (o [B, T, H, V] or None, den [B, T, H] fp32 or None, S_T, W_T, z_T or None,
     (cs_s [B*H, NT, K, K2], cs_w [B*H, NT, K, V], cs_z [B*H, NT, K] or None) or None)."""
     B, T, H, K = q.shape
@@ -195,7 +213,8 @@ def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v
     # the fold's fp32 product of a 128-wide S with C in tf32x3 needs 256 KB of shared memory (past
     # Hopper's 227): such heads walk in one segment (as the backward's walk does, ``bwd_launch``)
     NS, nseg = split_segments(NT, 1 if not fold_fits(BK, q.dtype) else segments)
-    flags, lg = _common(q, gamma, g)
+    _check_rate(rate, normalize)
+    flags, lg = _common(q, gamma, g, rate)
     kw = dict(H=H, K=K, K2=K2, V=V, BT=chunk, BK=BK, BV=BV, num_warps=warps, num_stages=stages, **flags)
     h0 = (s0, w0, z0 if normalize else None)
     if s0 is not None and normalize and z0 is None:
@@ -214,7 +233,7 @@ def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v
                torch.empty(BH * nseg, K, device=dev, dtype=f32) if normalize else None)
         launch(hla2_fwd_fold_kernel, (NV, BH),
             **sums, h0_s=h0[0], h0_w=h0[1], h0_z=h0[2], seg_s=seg[0], seg_w=seg[1], seg_z=seg[2], NSEG=nseg,
-            K=K, K2=K2, V=V, BK=BK, BV=BV, PREC=flags["PREC"], num_warps=warps)
+            K=K, K2=K2, V=V, BK=BK, BV=BV, PREC=flags["PREC"], RATE=rate, num_warps=warps)
         h0 = seg
     o = torch.empty_like(v) if outputs else None
     den = torch.empty(B, T, H, device=dev, dtype=f32) if (outputs and normalize) else None
@@ -254,7 +273,7 @@ def _value_split(fn, v, do, w0, dht_w, width):
 
 
 def bwd_launch(q, k, v, do, g, gamma, s0, w0, dht_s, dht_w, cfg: ChunkConfig, *, q2=None, k2=None,
-               states=None, want_db=False, dd=None, z0=None, dht_z=None, launch=launch_kernel):
+               states=None, want_db=False, dd=None, z0=None, dht_z=None, rate=1, launch=launch_kernel):
     """Gradients of the unnormalized (cross) operator, on the value [v | 1] when ``dd`` is given.
 
     q, k: [B, T, H, K]; q2, k2: [B, T, H, K2] or None; v, do: [B, T, H, V]; g: [B, T, H] or None;
@@ -265,6 +284,7 @@ def bwd_launch(q, k, v, do, g, gamma, s0, w0, dht_s, dht_w, cfg: ChunkConfig, *,
     dd: None, or the output gradient [B, T, H] fp32 of a column of ones appended to v (a normalized
     call's denominator, not a cross pair): the kernels carry that column's state z beside W (z0
     [B, H, K] fp32 or None its start, dht_z its final gradient or None) instead of a value block.
+    rate: as ``fwd_launch``'s.
     Returns dq, dk, dq2, dk2 (None unless cross; input dtypes), dv, dS0, dW0 (fp32, None without
     s0), db (or None), dz0 (fp32; None without s0 or dd)."""
     V = v.shape[-1]
@@ -276,7 +296,7 @@ def bwd_launch(q, k, v, do, g, gamma, s0, w0, dht_s, dht_w, cfg: ChunkConfig, *,
         def block(vb, dob, w0b, dhtb, first):
             return bwd_launch(q, k, vb, dob, g, gamma, s0, w0b, dht_s if first else None, dhtb, cfg,
                               q2=q2, k2=k2, want_db=want_db, dd=dd if first else None, z0=z0 if first else None,
-                              dht_z=dht_z if first else None, launch=launch)
+                              dht_z=dht_z if first else None, rate=rate, launch=launch)
         return _value_split(block, v, do, w0, dht_w, width)
     B, T, H, K = q.shape
     cross = q2 is not None
@@ -285,14 +305,14 @@ def bwd_launch(q, k, v, do, g, gamma, s0, w0, dht_s, dht_w, cfg: ChunkConfig, *,
     BT, nw = cfg.bwd_chunk, cfg.bwd_warps
     BV = pow2_block(V, min_value_block(dev))
     NT = cdiv(T, BT)
-    snap = _snapshot_dtype(cfg, q.dtype)
+    snap = snapshot_dtype(cfg, q.dtype)
     if states is None or states[0].dtype != snap:
         states = fwd_launch(q, k, v, g, gamma, s0, w0, z0, chunk=BT, segments=cfg.fwd_segments, warps=nw,
                             block_v=cfg.fwd_block_v, q2=q2, k2=k2, stages=cfg.bwd_stages, outputs=False,
-                            normalize=norm, store_final=False, snapshots=snap, launch=launch)[5]
+                            normalize=norm, store_final=False, snapshots=snap, rate=rate, launch=launch)[5]
     cs_s, cs_w, cs_z = states
     do = do.contiguous()
-    flags, lg = _common(q, gamma, g)
+    flags, lg = _common(q, gamma, g, rate)
     common = dict(H=H, K=K, K2=K2, V=V, BT=BT, BK=BK, BV=BV, num_warps=nw, num_stages=cfg.bwd_stages, **flags)
     has_dht = dht_s is not None or dht_w is not None or (norm and dht_z is not None)
     if has_dht:
@@ -315,7 +335,7 @@ def bwd_launch(q, k, v, do, g, gamma, s0, w0, dht_s, dht_w, cfg: ChunkConfig, *,
         ones = (torch.empty(BH, NT, K, device=dev, dtype=f32),
                 torch.empty(BH, NT, K, device=dev, dtype=f32) if nseg > 1 else None)
         launch(hla2_bwd_ones_kernel, (NT, BH), q=q, g=g, dd=dd, ones_u=ones[0], ones_w=ones[1], log_gamma=lg, T=T,
-               H=H, K=K, BT=BT, BK=BK, HAS_DECAY=flags["HAS_DECAY"], num_warps=4)
+               H=H, K=K, BT=BT, BK=BK, HAS_DECAY=flags["HAS_DECAY"], RATE=rate, num_warps=4)
     de = (dht_s, dht_w, dht_z) if has_dht else (None, None, None)
     walk_dh0 = dh0
     if nseg > 1:
@@ -336,7 +356,7 @@ def bwd_launch(q, k, v, do, g, gamma, s0, w0, dht_s, dht_w, cfg: ChunkConfig, *,
             sum_s=sum_s, sum_w=sum_w, sum_z=sum_z, sum_p=sum_p, sum_pz=sum_pz, sum_lr=sum_lr,
             dht_s=dht_s if has_dht else None, dht_w=dht_w if has_dht else None, dht_z=dht_z,
             de_s=de[0], de_w=de[1], de_z=de[2], dh0_s=dh0[0], dh0_w=dh0[1], dh0_z=dh0[2], NSEG=nseg,
-            K=K, K2=K2, V=V, BK=BK, BV=BV, PREC=flags["PREC"], num_warps=nw)
+            K=K, K2=K2, V=V, BK=BK, BV=BV, PREC=flags["PREC"], RATE=rate, num_warps=nw)
         walk_dh0 = (None, None, None)
     # -- the walk (every chunk's end-state gradient), then every chunk's gradients in the launches
     #    the config names; piece by piece, the last first, each walk starting from the gradient
@@ -376,28 +396,29 @@ class HLA2ChunkFunction(torch.autograd.Function):
     """Autograd of one tile-able (cross) HLA2 on the Triton kernels.
 
     forward(q [B,T,H,K], k, q2 [B,T,H,K2] | None, k2 | None, v [B,T,H,V], g [B,T,H] | None,
-    s0 [B,H,K,K2] | None, w0 [B,H,K,V] | None, z0 [B,H,K] | None, gamma, normalize, eps, cfg, launch)
-    -> (o [B,T,H,V], S_T [B,H,K,K2], W_T [B,H,K,V], z_T [B,H,K] | None). Normalization only
-    without a cross pair. The backward is not itself differentiable (it raises if asked)."""
+    s0 [B,H,K,K2] | None, w0 [B,H,K,V] | None, z0 [B,H,K] | None, gamma, normalize, eps, cfg, rate,
+    launch) -> (o [B,T,H,V], S_T [B,H,K,K2], W_T [B,H,K,V], z_T [B,H,K] | None). Normalization only
+    without a cross pair and at rate 1 (``fwd_launch``). The backward is not itself differentiable
+    (it raises if asked)."""
 
     @staticmethod
-    def forward(ctx, q, k, q2, k2, v, g, s0, w0, z0, gamma, normalize, eps, cfg, launch):
+    def forward(ctx, q, k, q2, k2, v, g, s0, w0, z0, gamma, normalize, eps, cfg, rate, launch):
         # an output the loss does not use gets None, not a materialized zero tensor (the final
         # state's cotangents are [B, H, K, K]-sized: zeros would cost memory and a walk from zero)
         ctx.set_materialize_grads(False)
         V = v.shape[-1]
         grads = any(ctx.needs_input_grad[:9])
         save = grads and cfg.save_states and cfg.fwd_chunk == cfg.bwd_chunk and V <= _bwd_width(q, q2)
-        snap = _snapshot_dtype(cfg, q.dtype) if save else None
+        snap = snapshot_dtype(cfg, q.dtype) if save else None
         o, den, sT, wT, zT, cs = fwd_launch(
             q, k, v, g, gamma, s0, w0, z0, chunk=cfg.fwd_chunk, segments=cfg.fwd_segments, warps=cfg.fwd_warps,
             block_v=cfg.fwd_block_v, q2=q2, k2=k2, stages=cfg.fwd_stages, normalize=normalize, eps=eps,
-            snapshots=snap, launch=launch)
+            snapshots=snap, rate=rate, launch=launch)
         cs = (None, None, None) if cs is None else cs
         # the final state is read back only for the log-gates' gradient (its own factor e^{b_T})
         final = (sT, wT, zT) if g is not None and ctx.needs_input_grad[5] else (None, None, None)
         ctx.save_for_backward(q, k, q2, k2, v, g, s0, w0, z0, o if normalize else None, den, *final, *cs)
-        ctx.gamma, ctx.normalize, ctx.eps, ctx.cfg, ctx.launch = gamma, normalize, eps, cfg, launch
+        ctx.gamma, ctx.normalize, ctx.eps, ctx.cfg, ctx.rate, ctx.launch = gamma, normalize, eps, cfg, rate, launch
         return o, sT, wT, zT
 
     @staticmethod
@@ -415,21 +436,21 @@ class HLA2ChunkFunction(torch.autograd.Function):
         dq, dk, dq2, dk2, dv, ds0, dw0, db, dz0 = bwd_launch(
             q, k, v, do, g, ctx.gamma, s0, w0, dsT, dwT, ctx.cfg, q2=q2, k2=k2,
             states=None if cs_s is None else (cs_s, cs_w, cs_z), want_db=want_dg, dd=dd, z0=z0,
-            dht_z=dzT if ctx.normalize else None, launch=ctx.launch)
+            dht_z=dzT if ctx.normalize else None, rate=ctx.rate, launch=ctx.launch)
         dg = None
         if want_dg:
-            # the final state S_T carries exp(b_T - b_i), W_T and z_T exp(2 b_T - b_i - b_j): their
-            # share of dL/db_T
+            # the final state S_T carries exp(b_T - b_i), W_T and z_T exp((1 + c) b_T - b_i - c b_j)
+            # (c = rate): their share of dL/db_T
             last = torch.zeros(db.shape[0], db.shape[2], device=db.device, dtype=db.dtype)
             if dsT is not None:
                 last = last + (sT * dsT).sum((-1, -2))
             if dwT is not None:
-                last = last + 2 * (wT * dwT.float()).sum((-1, -2))
+                last = last + (1 + ctx.rate) * (wT * dwT.float()).sum((-1, -2))
             if dzT is not None:
-                last = last + 2 * (zT * dzT.float()).sum(-1)
+                last = last + (1 + ctx.rate) * (zT * dzT.float()).sum(-1)
             db[:, -1] += last
             dg = reverse_cumsum(db).to(g.dtype)
-        return dq, dk, dq2, dk2, dv, dg, ds0, dw0, dz0, None, None, None, None, None
+        return dq, dk, dq2, dk2, dv, dg, ds0, dw0, dz0, None, None, None, None, None, None
 
 
 def _feature_blocks(K):
@@ -438,12 +459,13 @@ def _feature_blocks(K):
     return [(0, K)] if K <= TILE_MAX else even_blocks(K, FEATURE_BLOCK)
 
 
-def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chunk_size=64, launch=None):
+def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chunk_size=64, rate=1, launch=None):
     """HLA2 on the Triton kernels, any head size up to 256 (through the checks).
 
     q, k: [B, T, H, K]; v: [B, T, H, V] (contiguous); g: [B, T, H] or None; s0, w0, z0: fp32
     state or None; config: a ChunkConfig for every launch, or None for ``hla2_config``'s rule
-    (for the head, or for each feature-block pair's width). launch: how
+    (for the head, or for each feature-block pair's width). rate: the inner index's rate
+    (``fwd_launch``; 2 for the second-order stage of ``hla3``). launch: how
     kernels are launched (``common.compile``); None launches them, after compiling a new call's
     kernels at once (``compile_ahead``).
     Returns (o [B, T, H, V], S_T, W_T, z_T or None).
@@ -454,7 +476,7 @@ def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chu
     if config is not None:
         refuse_ahla_fields(config, "hla2")
     if launch is None:
-        args = (q, k, v, g, gamma, s0, w0, z0, normalize, eps, config, chunk_size)
+        args = (q, k, v, g, gamma, s0, w0, z0, normalize, eps, config, chunk_size, rate)
         compile_ahead("hla2", hla2_chunked, args, q.device)
         launch = launch_kernel
     B, T, H, K = q.shape
@@ -469,7 +491,7 @@ def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chu
     blocks = _feature_blocks(K)
     if len(blocks) == 1:
         return HLA2ChunkFunction.apply(q, k, None, None, v, g, s0, w0, z0, gamma, normalize, eps, cfg_for(K, V),
-                                       launch)
+                                       rate, launch)
     if normalize:
         v = torch.cat([v, torch.ones_like(v[..., :1])], -1)
         if s0 is not None:
@@ -488,7 +510,7 @@ def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chu
                 w0_ab = w0[..., a0:a1, :].contiguous() if ib == 0 else w0.new_zeros(B, H, a1 - a0, v.shape[-1])
             o_ab, s_ab, w_ab, _ = HLA2ChunkFunction.apply(
                 qs[ia], ks[ia], qs[ib] if cross else None, ks[ib] if cross else None, v, g, s0_ab, w0_ab, None,
-                gamma, False, 0.0, cfg_for(max(a1 - a0, b1 - b0), v.shape[-1]), launch)
+                gamma, False, 0.0, cfg_for(max(a1 - a0, b1 - b0), v.shape[-1]), rate, launch)
             o = o_ab.float() if o is None else o + o_ab.float()
             s_row.append(s_ab)
             w_row = w_ab if w_row is None else w_row + w_ab

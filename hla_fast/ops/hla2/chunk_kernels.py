@@ -13,16 +13,24 @@ The kernels compute the *cross* operator with an outer pair (q, k) and an inner 
 HLA2 being q2 = q, k2 = k (``CROSS=False``: the same tiles are reused). The cross form lets a head
 wider than one tile run as a sum over pairs of feature blocks (see ``chunk.py``).
 
+Rate. Every kernel takes a constexpr RATE = c, the rate at which the inner index j decays: the
+weight is exp((1 + c) b_t - b_i - c b_j), so HLA2 is c = 1 and masked third order's second stage
+(on the first stage's output R in place of v, ``hla3/chunk.py``) is c = 2. It changes only the
+factors that involve j: M = N o G^c, O's and W's g2 = g1^(1 + c) and gC^(1 + c), and the value rows'
+gl^c (``_inner_factors``); the state recurrence is W_t = a_t^(1 + c) W_{t-1} + (S_t q_t) v_t^T. At
+c = 1 the kernels compile to what they were before the constexpr (HLA2's outputs and gradients
+bit-identical and its times unchanged, ``benchmarks/results/hla2_h200_ab_rate.json``).
+
 Chunk form (one chunk of C = BT rows, local row r, carried state (S0, W0, z0), the decay factors
 G, g1, g2, gl, gC of ``hla_fast/ops/common/gates.py``):
 
     X  = Q K^T,   Y = K2 Q2^T                       (each its own dot, see below)
     A  = X o G,   Ym = Y o U                          (U: column >= row)
     N  = diag(g1) Q S0 Q2^T + A Ym
-    M  = N o G
+    M  = N o G                                        (G^c at rate c)
     O  = diag(g2) Q W0 + M V                          den = diag(g2) Q z0 + M 1
     S  <- gC S0 + (diag(gl) K)^T K2
-    W  <- gC^2 W0 + P diag(gl) V,    P = gC S0 Q2^T + (diag(gl) K)^T Ym   [K, C]
+    W  <- gC^2 W0 + P diag(gl) V,    P = gC S0 Q2^T + (diag(gl) K)^T Ym   [K, C]   (gC^(1+c), gl^c)
           (= gC^2 W0 + gC S0 (Q2^T diag(gl) V) + (diag(gl) K)^T (Ym diag(gl) V), in one product)
     z  <- the same as W with V -> 1
 
@@ -47,7 +55,7 @@ import triton
 import triton.language as tl
 
 from ..common.tiles import (
-    cast, chunk_factors, dot, held_decays, load_cols, load_mat, load_mat_t, load_rows, load_vec, mat_or_zeros,
+    cast, chunk_factors, dot, held_decays, ipow, load_cols, load_mat, load_mat_t, load_rows, load_vec, mat_or_zeros,
     read_rows, store_mat, vec_or_zeros,
 )
 
@@ -56,15 +64,15 @@ from ..common.tiles import (
 
 @triton.jit
 def _chunk_output(b_q, b_kt, b_q2t, b_ym, b_v, S, W, z, G, g1, g2,
-                  NORM: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr):
+                  NORM: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr, RATE: tl.constexpr):
     """Outputs of one chunk: O [BT, BV] = diag(g2) Q W0 + M V, and den [BT] = diag(g2) Q z0 + M 1
-    when NORM (else a dummy 0)."""
+    when NORM (else a dummy 0); M = N o G^RATE (g2 = g1^(1 + RATE), ``_inner_factors``)."""
     b_x = tl.dot(b_q, b_kt, input_precision=PREC)                 # X = Q K^T      [BT, BT]
     b_a = tl.where(G > 0, b_x * G, 0.0)                            # A = X o G
-    G = held_decays(G, IS_BF16)                                    # until M's
+    G = held_decays(ipow(G, RATE), IS_BF16)                        # G^RATE, until M's
     b_qs = dot(b_q, S, IS_BF16, PREC) * g1[:, None]                # diag(g1) Q S0  [BT, BK]
     b_n = dot(b_qs, b_q2t, IS_BF16, PREC) + dot(b_a, b_ym, IS_BF16, PREC)   # N  [BT, BT]
-    b_m = tl.where(G > 0, b_n * G, 0.0)                            # M = N o G
+    b_m = tl.where(G > 0, b_n * G, 0.0)                            # M = N o G^RATE
     b_o = dot(b_q, W, IS_BF16, PREC) * g2[:, None] + dot(b_m, b_v, IS_BF16, PREC)   # [BT, BV]
     if NORM:
         den = tl.sum(b_q.to(tl.float32) * z[None, :], axis=1) * g2 + tl.sum(b_m, axis=1)
@@ -74,19 +82,20 @@ def _chunk_output(b_q, b_kt, b_q2t, b_ym, b_v, S, W, z, G, g1, g2,
 
 
 @triton.jit
-def _chunk_carry(b_kt, b_k2, b_q2t, b_ym, b_v, S, W, z, gl, gC,
+def _chunk_carry(b_kt, b_k2, b_q2t, b_ym, b_v, S, W, z, gl, gC, glv, gCw,
                  NORM: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr):
     """The state at the next chunk's start from (S0, W0, z0) at this one's.
 
-    W's two new terms share their right factor diag(gl) V, so they are one product:
-    W <- gC^2 W0 + P diag(gl) V with P = gC S0 Q2^T + (diag(gl) K)^T Ym [BK, BT], and z the same
-    with V -> 1 (z <- gC^2 z0 + P gl). Three products instead of four, and the K x K2 x V one of
-    S0 (Q2^T Vg) becomes the K x K2 x BT one of S0 Q2^T."""
+    W's two new terms share their right factor diag(glv) V, so they are one product:
+    W <- gCw W0 + P diag(glv) V with P = gC S0 Q2^T + (diag(gl) K)^T Ym [BK, BT], and z the same
+    with V -> 1 (z <- gCw z0 + P glv); glv = gl^RATE, gCw = gC^(1 + RATE) (``_inner_factors``).
+    Three products instead of four, and the K x K2 x V one of S0 (Q2^T Vg) becomes the K x K2 x BT
+    one of S0 Q2^T."""
     b_kgt = b_kt * gl[None, :]                                     # (diag(gl) K)^T [BK, BT]
     b_p = dot(S, b_q2t, IS_BF16, PREC) * gC + dot(b_kgt, b_ym, IS_BF16, PREC)   # P [BK, BT]
-    W_new = W * (gC * gC) + dot(b_p, b_v * gl[:, None], IS_BF16, PREC)          # [BK, BV]
+    W_new = W * gCw + dot(b_p, b_v * glv[:, None], IS_BF16, PREC)              # [BK, BV]
     if NORM:
-        z_new = z * (gC * gC) + tl.sum(b_p * gl[None, :], axis=1)                  # [BK]
+        z_new = z * gCw + tl.sum(b_p * glv[None, :], axis=1)                       # [BK]
     else:
         z_new = z
     S_new = S * gC + dot(b_kgt, b_k2, IS_BF16, PREC)               # [BK, BK]
@@ -94,18 +103,29 @@ def _chunk_carry(b_kt, b_k2, b_q2t, b_ym, b_v, S, W, z, gl, gC,
 
 
 @triton.jit
+def _inner_factors(g1, gl, gC, RATE: tl.constexpr):
+    """The factors of the inner index j, whose weight is exp(RATE (b_t - b_j)) (RATE 1: HLA2;
+    2: the second-order stage of third order, ``hla3``): g2 = g1^(1 + RATE) [BT] (W0 to row r),
+    glv = gl^RATE [BT] (row r's value to the chunk's end), gCw = gC^(1 + RATE) (W0 to the end)."""
+    return ipow(g1, RATE + 1), ipow(gl, RATE), ipow(gC, RATE + 1)
+
+
+@triton.jit
 def _carry_tiles(k, q2, k2, v, g, off_k, off_k2, off_v, off_g, log_gamma, t, mt, rk, mk, mk2, rv, mv, upper,
                  H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                 HAS_G: tl.constexpr, HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr):
+                 HAS_G: tl.constexpr, HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
+                 RATE: tl.constexpr):
     """What carrying the state across one chunk reads: K^T and Q2^T [BK, BT], K2 [BT, BK], V [BT, BV],
-    the decay factors, and Ym = (K2 Q2^T) o U [BT, BT] (its own dot, keeping i <= j)."""
+    the decay factors (G, g1, g2, gl, gC, bL, and glv, gCw of ``_inner_factors``), and
+    Ym = (K2 Q2^T) o U [BT, BT] (its own dot, keeping i <= j)."""
     b_kt = load_cols(k + off_k, t, mt, rk, mk, H * K, IS_BF16)
     b_q2t = load_cols(q2 + off_k2, t, mt, rk, mk2, H * K2, IS_BF16)
     b_k2 = load_rows(k2 + off_k2, t, mt, rk, mk2, H * K2, IS_BF16)
     b_v = load_rows(v + off_v, t, mt, rv, mv, H * V, IS_BF16)
     G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY, BT <= 32)
+    g2, glv, gCw = _inner_factors(g1, gl, gC, RATE)
     b_ym = tl.where(upper, tl.dot(b_k2, b_q2t, input_precision=PREC), 0.0)
-    return b_kt, b_q2t, b_k2, b_v, b_ym, G, g1, g2, gl, gC, bL
+    return b_kt, b_q2t, b_k2, b_v, b_ym, G, g1, g2, gl, gC, bL, glv, gCw
 
 
 @triton.jit
@@ -147,7 +167,7 @@ def hla2_fwd_kernel(
     log_gamma, eps, T, NS,  # log(gamma) (without g), normalizer eps, sequence length, chunks per segment
     H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
+    HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr, RATE: tl.constexpr,
     HAS_G: tl.constexpr, HAS_INIT: tl.constexpr, HAS_O: tl.constexpr, SAVE_STATES: tl.constexpr,
     STORE_FINAL: tl.constexpr, NORM: tl.constexpr,
 ):
@@ -180,9 +200,9 @@ def hla2_fwd_kernel(
         t = i_c * BT + rt
         mt = t < T
         # -- the chunk's tiles, decay factors and Ym ----------------------------------------
-        b_kt, b_q2t, b_k2, b_v, b_ym, G, g1, g2, gl, gC, bL = _carry_tiles(
+        b_kt, b_q2t, b_k2, b_v, b_ym, G, g1, g2, gl, gC, bL, glv, gCw = _carry_tiles(
             k, q2, k2, v, g, off_k, off_k2, off_v, off_g, log_gamma, t, mt, rk, mk, mk2, rv, mv, upper,
-            H, K, K2, V, BT, HAS_G, HAS_DECAY, IS_BF16, PREC)
+            H, K, K2, V, BT, HAS_G, HAS_DECAY, IS_BF16, PREC, RATE)
 
         if SAVE_STATES:
             # the state at this chunk's start (S once, by the first value block)
@@ -194,7 +214,7 @@ def hla2_fwd_kernel(
         if HAS_O:
             b_q = load_rows(q + off_k, t, mt, rk, mk, H * K, IS_BF16)               # [BT, BK]
             b_o, b_den = _chunk_output(b_q, b_kt, b_q2t, b_ym, b_v, S, W, z, G, g1, g2,
-                                       NORM, IS_BF16, PREC)
+                                       NORM, IS_BF16, PREC, RATE)
             if NORM:
                 b_o = b_o / (b_den + eps)[:, None]
                 if i_v == 0:
@@ -202,7 +222,7 @@ def hla2_fwd_kernel(
             tl.store(o + off_v + t[:, None] * (H * V) + rv[None, :], b_o.to(o.dtype.element_ty),
                      mask=mt[:, None] & mv[None, :])
         # -- carry the state to the next chunk's start ------------------------------------
-        S, W, z = _chunk_carry(b_kt, b_k2, b_q2t, b_ym, b_v, S, W, z, gl, gC, NORM, IS_BF16, PREC)
+        S, W, z = _chunk_carry(b_kt, b_k2, b_q2t, b_ym, b_v, S, W, z, gl, gC, glv, gCw, NORM, IS_BF16, PREC)
 
     if STORE_FINAL:
         if i_n == NSEG - 1:
@@ -220,16 +240,17 @@ def hla2_fwd_kernel(
 @triton.jit
 def hla2_fwd_summary_kernel(
     k, q2, k2, v, g,          # k: [B, T, H, K]; q2, k2: [B, T, H, K2]; v: [B, T, H, V]; g or None
-    sum_s, sum_w, sum_c,      # out: [B*H*NSEG, K, K2], [.., K, V], C = [.., K2, V]
+    sum_s, sum_w, sum_c,      # out: [B*H*NSEG, K, K2], [.., K, V], C [.., K2, V]
     sum_z, sum_cz, sum_lr,    # out: z [.., K] and Cz [.., K2] (NORM, else None); log rho [B*H*NSEG]
     log_gamma, T, NS,
     H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
+    HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr, RATE: tl.constexpr,
     HAS_G: tl.constexpr, NORM: tl.constexpr,
 ):
-    """Each segment's summary from a zero state: (S, W[, z]) after it, C = sum_j exp(b_end - b_j)
-    q2_j v_j^T (Cz: v -> 1) and log rho = b_end - b_start (its total log decay)."""
+    """Each segment's summary from a zero state: (S, W[, z]) after it,
+    C = sum_j exp(RATE (b_end - b_j)) q2_j v_j^T (Cz: v -> 1) and log rho = b_end - b_start (its
+    total log decay)."""
     i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NSEG = tl.num_programs(1)
     NT = tl.cdiv(T, BT)
@@ -251,13 +272,14 @@ def hla2_fwd_summary_kernel(
     for i_c in range(lo, hi):
         t = i_c * BT + rt
         mt = t < T
-        b_kt, b_q2t, b_k2, b_v, b_ym, G, g1, g2, gl, gC, bL = _carry_tiles(
+        b_kt, b_q2t, b_k2, b_v, b_ym, G, g1, g2, gl, gC, bL, glv, gCw = _carry_tiles(
             k, q2, k2, v, g, off_k, off_k2, off_v, off_g, log_gamma, t, mt, rk, mk, mk2, rv, mv, upper,
-            H, K, K2, V, BT, HAS_G, HAS_DECAY, IS_BF16, PREC)
-        S, W, z = _chunk_carry(b_kt, b_k2, b_q2t, b_ym, b_v, S, W, z, gl, gC, NORM, IS_BF16, PREC)
-        C = C * gC + dot(b_q2t, b_v * gl[:, None], IS_BF16, PREC)                  # + Q2^T diag(gl) V
+            H, K, K2, V, BT, HAS_G, HAS_DECAY, IS_BF16, PREC, RATE)
+        S, W, z = _chunk_carry(b_kt, b_k2, b_q2t, b_ym, b_v, S, W, z, gl, gC, glv, gCw, NORM, IS_BF16, PREC)
+        gCv = ipow(gC, RATE)
+        C = C * gCv + dot(b_q2t, b_v * glv[:, None], IS_BF16, PREC)                # + Q2^T diag(glv) V
         if NORM:
-            Cz = Cz * gC + tl.sum(b_q2t.to(tl.float32) * gl[None, :], axis=1)     # + Q2^T gl
+            Cz = Cz * gCv + tl.sum(b_q2t.to(tl.float32) * glv[None, :], axis=1)   # + Q2^T glv
         log_rho += bL
     i_sg = i_bh.to(tl.int64) * NSEG + i_n
     if i_v == 0:
@@ -281,11 +303,12 @@ def hla2_fwd_fold_kernel(
     seg_s, seg_w, seg_z,                         # out: state at each segment's start [B*H*NSEG, ..]
     NSEG,
     K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PREC: tl.constexpr, HAS_INIT: tl.constexpr, NORM: tl.constexpr,
+    PREC: tl.constexpr, RATE: tl.constexpr, HAS_INIT: tl.constexpr, NORM: tl.constexpr,
 ):
-    """Fold the segment summaries in order, the (S, C, W) monoid: with rho = exp(log rho),
+    """Fold the segment summaries in order, the (S, C, W) monoid: with rho = exp(log rho) and
+    rw = rho^(1 + RATE) (W's decay across the segment),
 
-        W <- rho^2 W + rho S C_seg + W_seg,   z <- rho^2 z + rho S Cz_seg + z_seg,   S <- rho S + S_seg."""
+        W <- rw W + rho S C_seg + W_seg,   z <- rw z + rho S Cz_seg + z_seg,   S <- rho S + S_seg."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     rk, rv, mk, mk2, mv = _feature_ranges(i_v, K, K2, V, BK, BV)
     S = mat_or_zeros(h0_s, i_bh.to(tl.int64) * K * K2, rk, mk, rk, mk2, K2, BK, BK, HAS_INIT)
@@ -300,11 +323,12 @@ def hla2_fwd_fold_kernel(
                 tl.store(seg_z + i_sg * K + rk, z, mask=mk)
         store_mat(seg_w + i_sg * K * V, W, rk, mk, rv, mv, V)
         rho = tl.exp(tl.load(sum_lr + i_sg))
+        rw = ipow(rho, RATE + 1)
         b_c = load_mat(sum_c + i_sg * K2 * V, rk, mk2, rv, mv, V)
-        W = W * (rho * rho) + tl.dot(S, b_c, input_precision=PREC) * rho + load_mat(sum_w + i_sg * K * V, rk, mk, rv, mv, V)
+        W = W * rw + tl.dot(S, b_c, input_precision=PREC) * rho + load_mat(sum_w + i_sg * K * V, rk, mk, rv, mv, V)
         if NORM:
             b_cz = load_vec(sum_cz + i_sg * K2, rk, mk2)
-            z = z * (rho * rho) + tl.sum(S * b_cz[None, :], axis=1) * rho + load_vec(sum_z + i_sg * K, rk, mk)
+            z = z * rw + tl.sum(S * b_cz[None, :], axis=1) * rho + load_vec(sum_z + i_sg * K, rk, mk)
         S = S * rho + load_mat(sum_s + i_sg * K * K2, rk, mk, rk, mk2, K2)
 
 
@@ -318,10 +342,11 @@ def _bwd_chunk_grads(
     b_v, b_vt, b_do, b_dot,          # V, dO as [BT, BV] and transposed
     b_s0, b_s0t, b_w0t,              # chunk-start state S0 [BK, BK], S0^T, W0^T [BV, BK]
     d_s, d_st, d_w, d_wt,            # gradient of the chunk-end state (and transposes), fp32
-    G, g1, g2, gl, gC, lower, upper,  # decays and masks of the chunk
+    G, g1, g2, gl, gC, glv, lower, upper,  # decays (g2, glv: ``_inner_factors``) and masks of the chunk
     b_dd, z0, d_z,                   # NORM: the ones column's output gradient [BT], z0 [BK], dz [BK]
     CROSS: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr,
     DV1: tl.constexpr,               # NORM: also the ones column's value gradient dv1 (for dL/db)
+    RATE: tl.constexpr,              # the inner index's rate: M = N o G^RATE, Vg = diag(gl^RATE) V
 ):
     """Gradients of one chunk (fp32): returns dq, dk, dq2, dk2, dv and (DV1) dv1 [BT].
 
@@ -338,7 +363,7 @@ def _bwd_chunk_grads(
     b_a = b_x * G                 # A
     b_ym = tl.where(upper, b_y, 0.0)                    # Ym
     if NORM:   # the ones column's vectors, formed while their tiles are live
-        ym_gl = tl.sum(b_ym * gl[None, :], axis=1)                  # Ym gl  [BT]
+        ym_gl = tl.sum(b_ym * glv[None, :], axis=1)                 # Ym glv  [BT]
         kg_dz = tl.sum(b_k.to(tl.float32) * d_z[None, :], axis=1) * gl   # diag(gl) K dz  [BT]
     if CROSS:
         b_at = tl.dot(b_k, b_qt, input_precision=PREC) * GT  # A^T
@@ -352,15 +377,15 @@ def _bwd_chunk_grads(
     if NORM:   # ones: dd 1^T and 1 dd^T
         b_dn += b_dd[:, None]
         b_dnt += b_dd[None, :]
-    b_dn = b_dn * G
-    b_dnt = b_dnt * GT
+    b_dn = b_dn * ipow(G, RATE)
+    b_dnt = b_dnt * ipow(GT, RATE)
     GT = held_decays(GT, IS_BF16)   # until M^T's and dX^T's (G's last use, dX, comes next)
     b_qs = tl.dot(b_q, b_s0, input_precision=PREC)      # Q S0     [BT, K2]
     b_qst = tl.dot(b_q2, b_s0t, input_precision=PREC)   # Q2 S0^T  [BT, K]
     b_kg = cast(b_k * gl[:, None], IS_BF16)
-    b_vg = cast(b_v * gl[:, None], IS_BF16)
+    b_vg = cast(b_v * glv[:, None], IS_BF16)
     b_kgt = cast(b_kt * gl[None, :], IS_BF16)
-    b_vgt = cast(b_vt * gl[None, :], IS_BF16)
+    b_vgt = cast(b_vt * glv[None, :], IS_BF16)
     c_dw = cast(d_w, IS_BF16)
     c_dwt = cast(d_wt, IS_BF16)
     c_xm = cast(b_xm, IS_BF16)
@@ -376,14 +401,14 @@ def _bwd_chunk_grads(
 
     # -- dV = M^T dO + diag(gl) (gC Q2 S0^T dW + Ym^T Kg dW) ---------------------------------
     b_mt = dot(b_qst, b_qt * g1[None, :], IS_BF16, PREC) + dot(c_xm, b_at, IS_BF16, PREC)
-    b_mt = b_mt * GT
+    b_mt = b_mt * ipow(GT, RATE)
     b_dv = dot(b_mt, b_do, IS_BF16, PREC)
     b_xk = tl.dot(c_xm, b_kg, input_precision=PREC)
     b_dvg = dot(b_qst, c_dw, IS_BF16, PREC) * gC + dot(b_xk, c_dw, IS_BF16, PREC)
-    b_dv += b_dvg * gl[:, None]
+    b_dv += b_dvg * glv[:, None]
     if DV1:   # ones: the same rows against dd and dz
         b_dv1 = tl.sum(b_mt * b_dd[None, :], axis=1)
-        b_dv1 += (tl.sum(b_qst * d_z[None, :], axis=1) * gC + tl.sum(b_xk * d_z[None, :], axis=1)) * gl
+        b_dv1 += (tl.sum(b_qst * d_z[None, :], axis=1) * gC + tl.sum(b_xk * d_z[None, :], axis=1)) * glv
     else:
         b_dv1 = 0.0
 
@@ -396,8 +421,8 @@ def _bwd_chunk_grads(
     b_dq += dot(b_dnq, b_s0t, IS_BF16, PREC) * g1[:, None]
     # -- dQ2 (inner): ((dN^T A) o L) K2 + ((Vg dW^T Kg^T) o L) K2 + dN^T diag(g1) Q S0 + gC Vg dW^T S0
     b_f = tl.dot(b_vg, c_dwt, input_precision=PREC)                     # Vg dW^T [BT, BK]
-    if NORM:   # ones: gl dz^T
-        b_f += gl[:, None] * d_z[None, :]
+    if NORM:   # ones: glv dz^T
+        b_f += glv[:, None] * d_z[None, :]
     b_f = cast(b_f, IS_BF16)
     b_dx2 += tl.where(lower, tl.dot(b_f, b_kgt, input_precision=PREC), 0.0)
     if CROSS:
@@ -418,8 +443,8 @@ def _bwd_chunk_grads(
     b_dy = tl.where(upper, dot(b_at, c_dn, IS_BF16, PREC), 0.0)
     b_e = tl.dot(b_kg, c_dw, input_precision=PREC)
     b_dy += tl.where(upper, dot(b_e, b_vgt, IS_BF16, PREC), 0.0)
-    if NORM:   # ones: (Kg dz) gl^T
-        b_dy += tl.where(upper, kg_dz[:, None] * gl[None, :], 0.0)
+    if NORM:   # ones: (Kg dz) glv^T
+        b_dy += tl.where(upper, kg_dz[:, None] * glv[None, :], 0.0)
     if CROSS:
         b_dk = dot(b_dxt, b_q, IS_BF16, PREC)
         b_dkg += dot(b_k2, d_st, IS_BF16, PREC)
@@ -434,11 +459,13 @@ def _bwd_chunk_grads(
 
 
 @triton.jit
-def _dstate_step(d_s, d_w, b_qt, b_q2, b_vgt, b_dn, b_do, g1, g2, gC, b_ones,
+def _dstate_step(d_s, d_w, b_qt, b_q2, b_vgt, b_dn, b_do, g1, g2, gC, gCw, b_ones,
                  IS_BF16: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr):
     """Gradient of a chunk's start state from that of its end state:
 
-        dS0 = gC dS + gC dW (Vg^T Q2) + (Q^T diag(g1) dN + ones) Q2,    dW0 = gC^2 dW + Q^T diag(g2) dO,
+        dS0 = gC dS + gC dW (Vg^T Q2) + (Q^T diag(g1) dN + ones) Q2,    dW0 = gCw dW + Q^T diag(g2) dO,
+
+    (Vg = diag(glv) V; g2, glv, gCw of ``_inner_factors``),
 
     ones (NORM): a [BK, BT] term that enters dS0 through Q2 (a normalized walk's gC dz gl^T)."""
     b_vq = tl.dot(b_vgt, b_q2, input_precision=PREC)                       # Vg^T Q2         [BV, BK]
@@ -446,7 +473,7 @@ def _dstate_step(d_s, d_w, b_qt, b_q2, b_vgt, b_dn, b_do, g1, g2, gC, b_ones,
     if NORM:
         b_qdn += b_ones
     n_s = d_s * gC + dot(d_w, b_vq, IS_BF16, PREC) * gC + dot(b_qdn, b_q2, IS_BF16, PREC)
-    n_w = d_w * (gC * gC) + dot(b_qt * g2[None, :], b_do, IS_BF16, PREC)
+    n_w = d_w * gCw + dot(b_qt * g2[None, :], b_do, IS_BF16, PREC)
     return n_s, n_w
 
 
@@ -460,10 +487,10 @@ def _dstate_step(d_s, d_w, b_qt, b_q2, b_vgt, b_dn, b_do, g1, g2, gC, b_ones,
 @triton.jit
 def hla2_bwd_ones_kernel(
     q, g, dd,          # q: [B, T, H, K]; g: [B, T, H] or None; dd: the ones column's output gradient, fp32 [B, T, H]
-    ones_u, ones_w,    # out: per chunk, fp32 [B*H, NT, K]: Q^T diag(g2) dd, and Q^T gl (or None: not needed)
+    ones_u, ones_w,    # out: per chunk, fp32 [B*H, NT, K]: Q^T diag(g2) dd, and Q^T glv (or None: not needed)
     log_gamma, T,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    HAS_DECAY: tl.constexpr, HAS_G: tl.constexpr, STORE_W: tl.constexpr,
+    HAS_DECAY: tl.constexpr, RATE: tl.constexpr, HAS_G: tl.constexpr, STORE_W: tl.constexpr,
 ):
     """One program per (chunk, batch*head): the two vectors a normalized backward walk adds per
     chunk for the ones column (plain operator, q2 = q), every chunk at once and in fp32."""
@@ -477,10 +504,11 @@ def hla2_bwd_ones_kernel(
     b_q = read_rows(q + row * K, t, mt, rk, mk, H * K).to(tl.float32)             # [BT, BK]
     b_dd = tl.load(dd + row + t * H, mask=mt, other=0.0)                            # [BT]
     G, g1, g2, gl, gC, bL = chunk_factors(g, row, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY, BT <= 32)
+    g2, glv, gCw = _inner_factors(g1, gl, gC, RATE)
     off = (i_bh.to(tl.int64) * NT + i_c) * K
     tl.store(ones_u + off + rk, tl.sum(b_q * (g2 * b_dd)[:, None], axis=0), mask=mk)
     if STORE_W:   # only segment summaries read it
-        tl.store(ones_w + off + rk, tl.sum(b_q * gl[:, None], axis=0), mask=mk)
+        tl.store(ones_w + off + rk, tl.sum(b_q * glv[:, None], axis=0), mask=mk)
 
 
 @triton.heuristics({
@@ -501,13 +529,13 @@ def hla2_bwd_state_kernel(
                            #      start-state gradient [B*H*NSEG, ..])
     de_s, de_w, de_z,      # gradient of each segment's END state, fp32 [B*H*NSEG, ..]; or None (zero)
     dh0_s, dh0_w, dh0_z,   # out: gradient of the initial state [B*H, ..]; or None
-    sum_p, sum_pz, sum_lr,  # SUMMARY out: P = sum_j exp(b_end - b_j) v_j q2_j^T [B*H*NSEG, V, K2],
+    sum_p, sum_pz, sum_lr,  # SUMMARY out: P = sum_j exp(RATE (b_end - b_j)) v_j q2_j^T [B*H*NSEG, V, K2],
                            #   its ones row [.., K2] (NORM), log rho [B*H*NSEG]; or None
     log_gamma, T, NS,
     C0, NP,                # the walk covers chunks [C0, min(C0 + NP, NT)) (a piece of the sequence)
     H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
+    HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr, RATE: tl.constexpr,
     HAS_G: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, SUMMARY: tl.constexpr,
     NORM: tl.constexpr,
 ):
@@ -515,9 +543,9 @@ def hla2_bwd_state_kernel(
     state gradients (dS, dW), storing each chunk's end-state gradient for the per-chunk kernel.
     SUMMARY: walk from a zero end gradient and store the segment's backward summary instead.
     NORM: the value is [V | 1] with output gradient [dO | dd]; the ones column's state gradient
-    dz [BK] is carried beside dW (dz0 = gC^2 dz + Q^T diag(g2) dd, and dS0 gains gC dz (gl^T Q2)),
+    dz [BK] is carried beside dW (dz0 = gCw dz + Q^T diag(g2) dd, and dS0 gains gC dz (glv^T Q2)),
     with Q^T diag(g2) dd per chunk from ``hla2_bwd_ones_kernel`` (row sums of the Q tiles here,
-    which the walk holds as dot operands, cost register spills), and Q2^T gl (the ones row of the
+    which the walk holds as dot operands, cost register spills), and Q2^T glv (the ones row of the
     segment summary's P) from there too.
 
     C0, NP: the chunks this launch walks (segments of NS chunks from C0, none past C0 + NP or the
@@ -556,7 +584,8 @@ def hla2_bwd_state_kernel(
         b_vt = load_cols(v + off_v, t, mt, rv, mv, H * V, IS_BF16)
         b_do = load_rows(do + off_v, t, mt, rv, mv, H * V, IS_BF16)
         G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY, BT <= 32)
-        b_vgt = cast(b_vt * gl[None, :], IS_BF16)
+        g2, glv, gCw = _inner_factors(g1, gl, gC, RATE)
+        b_vgt = cast(b_vt * glv[None, :], IS_BF16)
         b_dn = tl.dot(b_do, b_vt, input_precision=PREC)
         if NORM:
             b_dd = tl.load(dd + off_g + t * H, mask=mt, other=0.0)                  # [BT]
@@ -564,17 +593,18 @@ def hla2_bwd_state_kernel(
             off_u = (i_bh.to(tl.int64) * NT + i_c) * K
             # dS0's ones term gC dz (gl^T Q2), as a [BK, BT] term of the product with Q2 (an
             # elementwise outer product added to dS instead spilled registers at K = 128)
-            b_ones = (d_z * gC)[:, None] * gl[None, :]
-            d_z = d_z * (gC * gC) + load_vec(ones_u + off_u, rk, mk)                # + Q^T diag(g2) dd
+            b_ones = (d_z * gC)[:, None] * glv[None, :]
+            d_z = d_z * gCw + load_vec(ones_u + off_u, rk, mk)                     # + Q^T diag(g2) dd
         else:
             b_ones = 0.0
         if SUMMARY:
-            b_p += tl.dot(b_vgt, b_q2, input_precision=PREC) * tl.exp(log_after)
+            b_p += tl.dot(b_vgt, b_q2, input_precision=PREC) * tl.exp(RATE * log_after)
             if NORM:
-                b_pz += load_vec(ones_w + off_u, rk, mk) * tl.exp(log_after)        # + Q2^T gl
+                b_pz += load_vec(ones_w + off_u, rk, mk) * tl.exp(RATE * log_after)  # + Q2^T glv
             log_after += bL
-        b_dn = cast(b_dn * G, IS_BF16)
-        d_s, d_w = _dstate_step(d_s, d_w, b_qt, b_q2, b_vgt, b_dn, b_do, g1, g2, gC, b_ones, IS_BF16, PREC, NORM)
+        b_dn = cast(b_dn * ipow(G, RATE), IS_BF16)
+        d_s, d_w = _dstate_step(d_s, d_w, b_qt, b_q2, b_vgt, b_dn, b_do, g1, g2, gC, gCw, b_ones, IS_BF16, PREC,
+                                NORM)
     if SUMMARY:
         store_mat(ds_end + i_sg * K * K2, d_s, rk, mk, rk, mk2, K2)
         store_mat(dw_end + i_sg * K * V, d_w, rk, mk, rv, mv, V)
@@ -604,11 +634,12 @@ def hla2_bwd_fold_kernel(
     dh0_s, dh0_w, dh0_z,          # out: gradient of the initial state; or None
     NSEG,
     K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PREC: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, NORM: tl.constexpr,
+    PREC: tl.constexpr, RATE: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """Fold the backward summaries from the last segment to the first (the transpose of the
-    forward's fold, P = C^T):  dS <- rho dS + rho dW P + dS_seg,  dW <- rho^2 dW + dW_seg;
-    NORM: dS gains rho dz pz^T (pz: P's ones row), dz <- rho^2 dz + dz_seg."""
+    forward's fold, P = C^T; rw = rho^(1 + RATE)):  dS <- rho dS + rho dW P + dS_seg,
+    dW <- rw dW + dW_seg; NORM: dS gains rho dz pz^T (pz: P's ones row), dz <- rw dz + dz_seg."""
     i_bh = tl.program_id(0)
     rk, rv, mk, mk2, mv = _feature_ranges(0, K, K2, V, BK, BV)
     d_s = mat_or_zeros(dht_s, i_bh.to(tl.int64) * K * K2, rk, mk, rk, mk2, K2, BK, BK, HAS_DHT)
@@ -620,13 +651,14 @@ def hla2_bwd_fold_kernel(
         store_mat(de_s + i_sg * K * K2, d_s, rk, mk, rk, mk2, K2)
         store_mat(de_w + i_sg * K * V, d_w, rk, mk, rv, mv, V)
         rho = tl.exp(tl.load(sum_lr + i_sg))
+        rw = ipow(rho, RATE + 1)
         b_p = load_mat(sum_p + i_sg * V * K2, rv, mv, rk, mk2, K2)
         d_s = d_s * rho + tl.dot(d_w, b_p, input_precision=PREC) * rho + load_mat(sum_s + i_sg * K * K2, rk, mk, rk, mk2, K2)
-        d_w = d_w * (rho * rho) + load_mat(sum_w + i_sg * K * V, rk, mk, rv, mv, V)
+        d_w = d_w * rw + load_mat(sum_w + i_sg * K * V, rk, mk, rv, mv, V)
         if NORM:
             tl.store(de_z + i_sg * K + rk, d_z, mask=mk)
             d_s += d_z[:, None] * load_vec(sum_pz + i_sg * K2, rk, mk2)[None, :] * rho
-            d_z = d_z * (rho * rho) + load_vec(sum_z + i_sg * K, rk, mk)
+            d_z = d_z * rw + load_vec(sum_z + i_sg * K, rk, mk)
     if STORE_DH0:
         store_mat(dh0_s + i_bh * K * K2, d_s, rk, mk, rk, mk2, K2)
         store_mat(dh0_w + i_bh * K * V, d_w, rk, mk, rv, mv, V)
@@ -664,6 +696,7 @@ def hla2_bwd_grad_kernel(
     H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DECAY: tl.constexpr, CROSS: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
+    RATE: tl.constexpr,
     PARTS: tl.constexpr,     # which gradients this launch stores: bit 1 dq, 2 dk, 4 dv
     HAS_G: tl.constexpr, HAS_DB: tl.constexpr, NORM: tl.constexpr,
 ):
@@ -671,12 +704,13 @@ def hla2_bwd_grad_kernel(
     some gradients compiles to a smaller kernel (the compiler drops products no stored gradient
     needs), so the launcher may split them over several launches.
 
-    db: each term of the operator carries exp(2 b_t - b_i - b_j), so dL/db_s counts +2 for every
-    term whose t is s and -1 for every index i or j equal to s. q_s enters the terms with t = s or
-    j = s, k_s twice those with i = s, v_s those with j = s, hence
-    dL/db_s = 2 q.dq - 1/2 k.dk - 3 v.dv (plain HLA2) or 2 q.dq - k.dk - v.dv (cross, outer pair).
-    Each launch adds the part its gradients give. NORM: the value is [V | 1] (``_bwd_chunk_grads``),
-    whose ones column adds -3 dv1 to the v term."""
+    db: each term of the operator carries exp((1 + c) b_t - b_i - c b_j) (c = RATE; 1 for HLA2), so
+    the operator is the ungated one on q_x e^{a b_x}, k_x e^{b b_x}, v_x e^{d b_x} whenever the
+    exponents match: a = 1 + c (q_t), 2 b = -1 (k_i twice), a + d = -c (q_j and v_j). Hence
+    dL/db_s = a q.dq + b k.dk + d v.dv: (1 + c) q.dq - 1/2 k.dk - (1 + 2c) v.dv (plain HLA2: 2, -1/2,
+    -3), or (1 + c) q.dq - k.dk - c v.dv (cross, the outer pair carrying t and i). Each launch adds
+    the part its gradients give. NORM: the value is [V | 1] (``_bwd_chunk_grads``), whose ones
+    column adds -(1 + 2c) dv1 to the v term."""
     i_c, i_bh = C0 + tl.program_id(0), tl.program_id(1)
     NT = tl.cdiv(T, BT)
     off_k, off_k2, off_v, off_g = _head_offsets(i_bh, T, H, K, K2, V)
@@ -721,10 +755,11 @@ def hla2_bwd_grad_kernel(
     else:
         b_dd, z0, d_z = 0.0, 0.0, 0.0
     G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY, BT <= 32)
+    g2, glv, gCw = _inner_factors(g1, gl, gC, RATE)
     b_dq, b_dk, b_dq2, b_dk2, b_dv, b_dv1 = _bwd_chunk_grads(
         b_q, b_qt, b_k, b_kt, b_q2, b_q2t, b_k2, b_k2t, b_v, b_vt, b_do, b_dot,
-        b_s0, b_s0t, b_w0t, d_s, d_st, d_w, d_wt, G, g1, g2, gl, gC, lower, upper, b_dd, z0, d_z,
-        CROSS, IS_BF16, PREC, NORM, NORM and HAS_DB and (PARTS & 4) != 0)
+        b_s0, b_s0t, b_w0t, d_s, d_st, d_w, d_wt, G, g1, g2, gl, gC, glv, lower, upper, b_dd, z0, d_z,
+        CROSS, IS_BF16, PREC, NORM, NORM and HAS_DB and (PARTS & 4) != 0, RATE)
     # -- store what this launch owns ----------------------------------------------------------
     m_tk = mt[:, None] & mk[None, :]
     m_tk2 = mt[:, None] & mk2[None, :]
@@ -732,9 +767,9 @@ def hla2_bwd_grad_kernel(
     if PARTS & 1:
         _store_pair(dq, dq2, off_k, off_k2, t, m_tk, m_tk2, rk, b_dq, b_dq2, H, K, K2, CROSS)
         if CROSS:
-            b_db += 2.0 * tl.sum(b_q.to(tl.float32) * b_dq, axis=1)
+            b_db += (1.0 + RATE) * tl.sum(b_q.to(tl.float32) * b_dq, axis=1)
         else:
-            b_db += 2.0 * tl.sum(b_q.to(tl.float32) * b_dq2, axis=1)
+            b_db += (1.0 + RATE) * tl.sum(b_q.to(tl.float32) * b_dq2, axis=1)
     if PARTS & 2:
         _store_pair(dk, dk2, off_k, off_k2, t, m_tk, m_tk2, rk, b_dk, b_dk2, H, K, K2, CROSS)
         if CROSS:
@@ -745,10 +780,10 @@ def hla2_bwd_grad_kernel(
         tl.store(dv + off_v + t[:, None] * (H * V) + rv[None, :], b_dv.to(dv.dtype.element_ty),
                  mask=mt[:, None] & mv[None, :])
         if CROSS:
-            b_db -= tl.sum(b_v.to(tl.float32) * b_dv, axis=1)
+            b_db -= RATE * tl.sum(b_v.to(tl.float32) * b_dv, axis=1)
         else:
-            b_db -= 3.0 * tl.sum(b_v.to(tl.float32) * b_dv, axis=1)
+            b_db -= (1.0 + 2.0 * RATE) * tl.sum(b_v.to(tl.float32) * b_dv, axis=1)
         if NORM and HAS_DB:
-            b_db -= 3.0 * b_dv1
+            b_db -= (1.0 + 2.0 * RATE) * b_dv1
     if HAS_DB:
         tl.store(db + off_g + t * H, b_db, mask=mt)

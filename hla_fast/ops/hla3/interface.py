@@ -46,12 +46,14 @@ def hla3(q, k, v, *, gamma=None, g=None, normalize=False, eps=1e-6, initial_stat
             zeros. Differentiable.
         output_final_state: also return the state after the last token.
         chunk_size: 16, 32, 64 or 128: the rows per chunk of the torch backend, and on the
-            triton backend a bound on them (``hla3_config``'s rule takes min(chunk_size, 32), the
-            fastest it measured); the result does not depend on it.
+            triton backend a bound on them (the stages' rules, ``hla2_config``'s and
+            ``ahla_config``'s, take it or less); the result does not depend on it.
         backend: "triton", "torch" or None (triton for CUDA tensors, torch otherwise).
-        config: a ChunkConfig for the triton backend (None: ``hla3_config``'s rule). The HLA3
-            kernels read fwd_chunk, bwd_chunk, fwd_segments, bwd_segments, fwd_warps, bwd_warps,
-            fwd_block_v and save_states.
+        config: a ChunkConfig for both stages of the triton backend (None: each stage's rule,
+            ``hla3_config`` for the second, HLA2's kernels at rate 2, and AHLA's for the first,
+            its first layer; ``hla_fast/ops/hla3/chunk.py``). They read fwd_chunk, bwd_chunk,
+            fwd_segments, bwd_segments, fwd_warps, bwd_warps, fwd_stages, bwd_stages,
+            fwd_block_v, grad_parts, bwd_pieces and save_states.
         cu_seqlens: None, or int32 offsets [N + 1] of N sequences packed along T (B == 1);
             initial_state and the final state then have N rows. Runs as a padded batch of N
             (``hla_fast/ops/common/varlen.py``: exact; costs N * max length rows).
