@@ -77,6 +77,7 @@ def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, 
         raise ValueError(f"normalize: only hla2's launchers are recorded normalized, not {op}'s")
     chunk, cuda, rec = hopper_launchers(op)
     import hla_fast
+    from hla_fast.ops.common.launch import snapshot_dtype
 
     rule = getattr(hla_fast, f"{op}_config")
     kw = {"training": not forward_only} if op == "ahla" else ({"gated": gates, "normalize": normalize}
@@ -93,7 +94,7 @@ def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, 
     common = dict(chunk=cfg.fwd_chunk, segments=cfg.fwd_segments, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v,
                   stages=cfg.fwd_stages, launch=rec)
     if op == "hla2":
-        snap = chunk.snapshot_dtype(cfg, dtype) if save else None
+        snap = snapshot_dtype(cfg, dtype) if save else None
         cs = chunk.fwd_launch(q, k, v, g, gamma, None, None, None, snapshots=snap, normalize=normalize, eps=1e-6,
                               **common)[5]
         if not forward_only:
@@ -101,30 +102,23 @@ def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, 
             chunk.bwd_launch(q, k, v, do, g, gamma, None, None, None, None, cfg, states=cs, want_db=gates,
                              dd=dd, launch=rec)
     elif op == "ahla":
-        snap = chunk._snapshot_dtype(cfg, dtype) if save else None
+        snap = snapshot_dtype(cfg, dtype) if save else None
         cs = chunk.fwd_launch(q, k, v, g, gamma, None, None, None, None, snapshots=snap, prefetch=cfg.fwd_prefetch,
                               keep_r=cfg.bwd_layers, **common)[6]
         if not forward_only:
             chunk.bwd_launch(q, k, v, do, g, gamma, None, None, None, None, cfg, states=cs, want_db=gates,
                              launch=rec)
-    else:   # hla3's two stages, as HLA3StagedFunction runs them
-        from hla_fast.ops.ahla.chunk import layer_bwd, layer_fwd
-        from hla_fast.ops.hla2 import chunk as hla2
+    else:   # hla3: its autograd Function itself (both stages, and their backward when training)
+        from hla_fast.ops.common.compile import rehearse
 
         # the first stage in its own rule's layout (the config changes apply to both stages)
         cfg1 = chunk.first_stage_config(B, T, H, K, V, dtype, cuda, training=not forward_only).replace(
             **(changes or {}))
-        save1 = cfg1.save_states and cfg1.fwd_chunk == cfg1.bwd_chunk and not forward_only
-        r, _, cs_p = layer_fwd(q, k, v, g, gamma, None, cfg1, keep_states=save1, launch=rec)
-        keep = not forward_only and chunk._keeps(cfg, q, V)
-        cs = hla2.fwd_launch(q, k, r, g, gamma, None, None, None, snapshots=hla2.snapshot_dtype(cfg, dtype) if keep
-                             else None, rate=2, **common)[5]
-        if not forward_only:
-            dq, dk, _, _, dr, *_ = hla2.bwd_launch(q, k, r, do, g, gamma, None, None, None, None, cfg, states=cs,
-                                                  want_db=gates, rate=2, launch=rec)
-            if cs_p is None:
-                cs_p = chunk.first_stage_states(q, k, v, g, gamma, None, cfg1, launch=rec)
-            layer_bwd(q, k, v, dr, g, gamma, cs_p, None, False, cfg1, dq_in=dq, dk_in=dk, want_db=gates, launch=rec)
+
+        def call(q, k, v, g, launch):
+            return chunk.HLA3StagedFunction.apply(q, k, v, g, None, None, None, gamma, cfg1, cfg, launch)
+
+        rehearse(call, tuple(None if x is None else x.requires_grad_(not forward_only) for x in (q, k, v, g)), rec)
     return cfg, rec.launches
 
 

@@ -343,7 +343,7 @@ for K, V, dtype, normalize in json.loads(sys.argv[1]):
     Vn = V + normalize
     BK, BV = chunk.bwd_blocks(K, Vn, dev)
     el = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
-    snap_dtype = chunk._snapshot_dtype(cfg, dtype)
+    snap_dtype = launch.snapshot_dtype(cfg, dtype)
     snap = "*bf16" if snap_dtype == torch.bfloat16 else "*fp32"
     dst = "*bf16" if chunk._dstate_dtype(snap_dtype, BK) == torch.bfloat16 else "*fp32"
     types = dict(q=el, k=el, v=el, do=el, dq=el, dk=el, dv=el, g="*fp32", db="*fp32", cs_p=snap, cs_e=snap,

@@ -223,7 +223,7 @@ def test_stages_reach_the_launches(op, device):
         else:
             chunk.bwd_launch(q, k, v, torch.ones_like(v), None, 0.9, None, None, None, None, c, launch=rec)
         stages = {kern.fn.__name__: kw.get("num_stages") for kern, _, kw in rec.launches}
-        assert stages[fwd_name] == bs   # the backward's recomputing walk
+        assert stages[fwd_names[-1]] == bs   # the backward's recomputing walk (hla3: its second stage's)
         assert all(s == bs for name, s in stages.items() if "fold" not in name), stages
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -46,7 +46,7 @@ from ..common.config import ChunkConfig
 from ..common.gates import log_gamma, reverse_cumsum
 from ..common.launch import (
     autograd_records, bf16_dots, cdiv, dot_precision, min_key_block, min_value_block, one_wave_segments, plan_pieces,
-    pow2_block, rule_pieces, run_pieces, split_segments, value_block,
+    pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, value_block,
 )
 from .chunk_kernels import (
     ahla_bwd_dh_kernel, ahla_bwd_fold_kernel, ahla_bwd_grad_kernel, ahla_bwd_layer_kernel, ahla_bwd_state_kernel,
@@ -214,11 +214,6 @@ def _check_config(cfg: ChunkConfig, K: int):
                          f"{cfg.bwd_prefetch}")
 
 
-def _snapshot_dtype(cfg: ChunkConfig, dtype: torch.dtype) -> torch.dtype:
-    """dtype of the per-chunk snapshots the backward reads as dot operands."""
-    return torch.bfloat16 if (cfg.bf16_snapshots and bf16_dots(dtype)) else torch.float32
-
-
 def _dstate_dtype(snap: torch.dtype, BK: int) -> torch.dtype:
     """dtype of the chunk-end state gradients the backward walk stores for the per-chunk kernel:
     the snapshots' (``snap``), as HLA2 does, since that kernel reads them only as dot operands
@@ -299,14 +294,14 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
               torch.empty(BH, NT, K, V, device=dev, dtype=snapshots) if second else None,
               torch.empty_like(v) if (keep_r and second) else None)
     r = None if cs is None else cs[2]
-    if not second:
-        o = r = torch.empty_like(v)
+    if not second:   # the first layer's output R is what this call returns
+        r = torch.empty_like(v)
     launch(ahla_fwd_kernel, (NV, nseg, BH),
-        q=q, k=k, v=v, g=g, o=o if second else None, den=den, h0_p=h0[0], h0_e=h0[1], h0_pn=h0[2], h0_en=h0[3],
+        q=q, k=k, v=v, g=g, o=o, den=den, h0_p=h0[0], h0_e=h0[1], h0_pn=h0[2], h0_en=h0[3],
         ht_p=ht[0], ht_e=ht[1], ht_pn=ht[2], ht_en=ht[3],
         cs_p=None if cs is None else cs[0], cs_e=None if cs is None else cs[1], r=r,
         log_gamma=lg, eps=eps, T=T, NS=NS, **walk)
-    return o, den, ht[0], ht[1], ht[2], ht[3], cs
+    return o if second else r, den, ht[0], ht[1], ht[2], ht[3], cs
 
 
 def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *, states=None, want_db=False,
@@ -325,7 +320,7 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
     BT, nw = cfg.bwd_chunk, cfg.bwd_warps
     BK, BV = bwd_blocks(K, V, dev)
     NT, NV = cdiv(T, BT), cdiv(V, BV)
-    snap = _snapshot_dtype(cfg, q.dtype)
+    snap = snapshot_dtype(cfg, q.dtype)
     if states is None or states[0].dtype != snap or (cfg.bwd_layers and states[2] is None):
         states = fwd_launch(q, k, v, g, gamma, p0, e0, None, None, chunk=BT, warps=nw, block_v=cfg.fwd_block_v,
                             segments=cfg.fwd_segments, prefetch=cfg.fwd_prefetch, stages=cfg.bwd_stages, outputs=False,
@@ -447,7 +442,7 @@ def layer_fwd(q, k, v, g, gamma, p0, cfg: ChunkConfig, *, keep_states=False, lau
     r, _, PT, _, _, _, cs = fwd_launch(
         q, k, v, g, gamma, p0, None, None, None, chunk=cfg.fwd_chunk, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v,
         segments=cfg.fwd_segments, prefetch=cfg.fwd_prefetch, stages=cfg.fwd_stages,
-        snapshots=_snapshot_dtype(cfg, q.dtype) if keep_states else None, second=False, launch=launch)
+        snapshots=snapshot_dtype(cfg, q.dtype) if keep_states else None, second=False, launch=launch)
     return r, PT, None if cs is None else cs[0]
 
 
@@ -470,7 +465,7 @@ def ahla_fwd(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg: ChunkConf
     o, den, PT, ET, pT, eT, cs = fwd_launch(
         q, k, v, g, gamma, p0, e0, pn0, en0, chunk=cfg.fwd_chunk, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v,
         segments=cfg.fwd_segments, prefetch=cfg.fwd_prefetch, stages=cfg.fwd_stages, normalize=normalize, eps=eps,
-        snapshots=_snapshot_dtype(cfg, q.dtype) if save else None, keep_r=cfg.bwd_layers, launch=launch)
+        snapshots=snapshot_dtype(cfg, q.dtype) if save else None, keep_r=cfg.bwd_layers, launch=launch)
     cs = (None, None, None) if cs is None else cs
     return (o, den, PT, ET, pT, eT) + cs
 

@@ -794,6 +794,14 @@ def ahla_bwd_dh_kernel(
         store_mat(dh0 + base, d_h, rk, mk, rv, mv, V)
 
 
+@triton.jit
+def _store_layer_db(db, off_g, t, mt, b_q, b_dq, b_k, b_dk, H: tl.constexpr):
+    """dL/db [BT] of a first-order layer's chunk rows from its gradients: each term carries
+    exp(b_t - b_j), so q_t counts +1 and k_j -1: q.dq - k.dk, stored at the rows' gates."""
+    b_db = tl.sum(b_q.to(tl.float32) * b_dq, axis=1) - tl.sum(b_k.to(tl.float32) * b_dk, axis=1)
+    tl.store(db + off_g + t * H, b_db, mask=mt)
+
+
 @triton.heuristics({
     "HAS_G": lambda a: a["g"] is not None,
     "HAS_ACC": lambda a: a["dq_in"] is not None,
@@ -869,16 +877,12 @@ def ahla_bwd_layer_kernel(
     b_dk = b_dkh * gl[:, None] + dot(b_dmt, b_q, IS_BF16, PREC)
     p_k = off_k + t[:, None] * (H * K) + rk[None, :]
     m_tk = mt[:, None] & mk[None, :]
-    if HAS_DB:
-        if DB_OWN:
-            b_db = tl.sum(b_q.to(tl.float32) * b_dq, axis=1) - tl.sum(b_k.to(tl.float32) * b_dk, axis=1)
-            tl.store(db + off_g + t * H, b_db, mask=mt)
+    if HAS_DB and DB_OWN:        # this layer's share, before the other layer's dq, dk are added
+        _store_layer_db(db, off_g, t, mt, b_q, b_dq, b_k, b_dk, H)
     if HAS_ACC:
         b_dq += tl.load(dq_in + p_k, mask=m_tk, other=0.0).to(tl.float32)
         b_dk += tl.load(dk_in + p_k, mask=m_tk, other=0.0).to(tl.float32)
     tl.store(dq + p_k, b_dq.to(dq.dtype.element_ty), mask=m_tk)
     tl.store(dk + p_k, b_dk.to(dk.dtype.element_ty), mask=m_tk)
-    if HAS_DB:
-        if not DB_OWN:
-            b_db = tl.sum(b_q.to(tl.float32) * b_dq, axis=1) - tl.sum(b_k.to(tl.float32) * b_dk, axis=1)
-            tl.store(db + off_g + t * H, b_db, mask=mt)
+    if HAS_DB and not DB_OWN:    # the sums' (AHLA's two layers)
+        _store_layer_db(db, off_g, t, mt, b_q, b_dq, b_k, b_dk, H)

@@ -68,6 +68,12 @@ def bf16_dots(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and not interpreter_on()
 
 
+def snapshot_dtype(cfg, dtype: torch.dtype) -> torch.dtype:
+    """dtype of the per-chunk state snapshots a backward reads as dot operands: bf16 where the dots
+    take bf16 operands and ``cfg.bf16_snapshots`` (a ChunkConfig) allows it, else fp32."""
+    return torch.bfloat16 if (cfg.bf16_snapshots and bf16_dots(dtype)) else torch.float32
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot`` input precision: the tensor cores' bf16 path for half inputs; for fp32 inputs
     ``tf32x3`` on a GPU (three tf32 products, error at fp32's level, compiled as tensor-core code)

@@ -44,7 +44,7 @@ from ..common.config import ChunkConfig, refuse_ahla_fields
 from ..common.gates import log_gamma, reverse_cumsum
 from ..common.launch import (
     bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments, plan_pieces,
-    pow2_block, rule_pieces, run_pieces, split_segments, value_block,
+    pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, value_block,
 )
 from ..common.normalize import normalized_output_grad
 from .chunk_kernels import (
@@ -124,9 +124,8 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     wide = max(K, V) > 64
     fp32 = dtype == torch.float32
     wide_chunk = 16 if fp32 else 32   # fp32: tf32x3 products of 32-row tiles were the slowest compiles
-    # fp32 forward walks on chunks of 128 ask for 256 KB of shared memory (past Hopper's 227)
-    fp32_tiles = dtype != torch.bfloat16
-    fwd_chunk = min(chunk_size, wide_chunk) if wide else min(chunk_size, FP32_MAX_CHUNK if fp32_tiles else chunk_size)
+    # fp32 and fp16 inputs walk fp32 tiles: their forward chunks stop at FP32_MAX_CHUNK
+    fwd_chunk = min(chunk_size, wide_chunk if wide else (chunk_size if dtype == torch.bfloat16 else FP32_MAX_CHUNK))
     bwd_chunk = min(chunk_size, wide_chunk if wide else 64)
     block_v = min(64, pow2_block(V, min_value_block(device)))
     bwd_bv = min(pow2_block(V, min_value_block(device)), bwd_value_width(K))
@@ -172,9 +171,11 @@ def _bwd_width(q, q2):
     return bwd_value_width(max(q.shape[-1], (q if q2 is None else q2).shape[-1]))
 
 
-def snapshot_dtype(cfg: ChunkConfig, dtype: torch.dtype) -> torch.dtype:
-    """dtype of the per-chunk snapshots the backward reads as dot operands."""
-    return torch.bfloat16 if (cfg.bf16_snapshots and bf16_dots(dtype)) else torch.float32
+def keeps_states(cfg: ChunkConfig, q, q2, V: int) -> bool:
+    """Whether a training forward on (q, q2) with V value columns keeps its chunk-start states for
+    the backward: one chunk size in both passes and one backward value block (else ``bwd_launch``
+    recomputes them). Also for ``hla3``'s second stage."""
+    return cfg.save_states and cfg.fwd_chunk == cfg.bwd_chunk and V <= _bwd_width(q, q2)
 
 
 def _common(q, gamma, g, rate):
@@ -408,7 +409,7 @@ class HLA2ChunkFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         V = v.shape[-1]
         grads = any(ctx.needs_input_grad[:9])
-        save = grads and cfg.save_states and cfg.fwd_chunk == cfg.bwd_chunk and V <= _bwd_width(q, q2)
+        save = grads and keeps_states(cfg, q, q2, V)
         snap = snapshot_dtype(cfg, q.dtype) if save else None
         o, den, sT, wT, zT, cs = fwd_launch(
             q, k, v, g, gamma, s0, w0, z0, chunk=cfg.fwd_chunk, segments=cfg.fwd_segments, warps=cfg.fwd_warps,

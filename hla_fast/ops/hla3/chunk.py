@@ -53,7 +53,7 @@ from torch.autograd.function import once_differentiable
 from ..ahla.chunk import ahla_config, layer_bwd, layer_fwd
 from ..common.compile import compile_ahead, launch_kernel
 from ..common.config import ChunkConfig, refuse_ahla_fields
-from ..common.launch import autograd_records
+from ..common.launch import autograd_records, snapshot_dtype
 from ..common.gates import reverse_cumsum
 from ..hla2 import chunk as hla2_chunk
 from .state import HLA3State
@@ -85,12 +85,6 @@ def first_stage_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtyp
     return ahla_config(B, T, H, K, V, dtype, device, chunk_size, training=training)
 
 
-def _keeps(cfg: ChunkConfig, q, V: int) -> bool:
-    """Whether a training forward keeps the second stage's chunk-start states for the backward (as
-    ``HLA2ChunkFunction`` does: one chunk size in both passes and one backward value block)."""
-    return cfg.save_states and cfg.fwd_chunk == cfg.bwd_chunk and V <= hla2_chunk.bwd_value_width(q.shape[-1])
-
-
 def first_stage_states(q, k, v, g, gamma, p0, cfg: ChunkConfig, launch=launch_kernel):
     """The first stage's chunk-start states P at the backward's chunks (a walk without outputs in
     the backward's chunks and warps), for a backward whose forward did not keep them."""
@@ -115,11 +109,11 @@ class HLA3StagedFunction(torch.autograd.Function):
         # -- first stage: R = LA(q, k, v) from P0 ------------------------------------------------
         r, pT, cs_p = layer_fwd(q, k, v, g, gamma, p0, cfg1, keep_states=grads and same_chunk, launch=launch)
         # -- second stage: HLA2 at rate 2 on (q, k, R) from (S0, F0) -----------------------------
-        keep = grads and _keeps(cfg2, q, v.shape[-1])
+        keep = grads and hla2_chunk.keeps_states(cfg2, q, None, v.shape[-1])
         o, _, sT, fT, _, cs = hla2_chunk.fwd_launch(
             q, k, r, g, gamma, s0, f0, None, chunk=cfg2.fwd_chunk, segments=cfg2.fwd_segments, warps=cfg2.fwd_warps,
             block_v=cfg2.fwd_block_v, stages=cfg2.fwd_stages,
-            snapshots=hla2_chunk.snapshot_dtype(cfg2, q.dtype) if keep else None, rate=2, launch=launch)
+            snapshots=snapshot_dtype(cfg2, q.dtype) if keep else None, rate=2, launch=launch)
         cs_s, cs_f = (None, None) if cs is None else cs[:2]
         # the final state is read back only for the log-gates' gradient (its own factor e^{b_T})
         final = (sT, pT, fT) if g is not None and ctx.needs_input_grad[3] else (None, None, None)
