@@ -2,7 +2,7 @@
 
 Public API (``q, k: [B, T, H, K]``, ``v: [B, T, H, V]``, log-gates ``g: [B, T, H]``):
     hla2(q, k, v, *, gamma=None, g=None, normalize=False, eps=1e-6, initial_state=None,
-         output_final_state=False, chunk_size=64, backend=None, config=None) -> (o, final_state)
+         output_final_state=False, chunk_size=None, backend=None, config=None) -> (o, final_state)
     hla2_step(q, k, v, state=None, *, gamma=None, g=None, normalize=False, eps=1e-6,
               backend=None) -> (o, state)
     HLA2State(S, W, z)

@@ -122,7 +122,7 @@ class HigherOrderLinearAttention(nn.Module):
         gate_bias_init: initial bias of g_proj: 3.0 starts every token's factor near
             exp(logsigmoid(3) / 16) = 0.997 (a memory of some hundreds of tokens), so a model
             starts out remembering and learns where to forget.
-        chunk_size: chunk rows of the chunked operator.
+        chunk_size: chunk rows of the chunked operator (None: the operator's default).
         eps: the operator's eps (normalize=True); norm_eps: the output norm's eps.
         layer_idx: this layer's slot in an HLACache (needed with a cache).
         backend: None (by device), "triton" or "torch".
@@ -131,7 +131,7 @@ class HigherOrderLinearAttention(nn.Module):
     def __init__(self, hidden_size: int = 1024, num_heads: int = 8, head_dim: int | None = None,
                  num_kv_heads: int | None = None, order: str = "hla2", gate: str = "none",
                  normalize: bool = False, qk_norm: str | None = "l2", output_norm: bool = True,
-                 gate_logit_normalizer: float = 16.0, gate_bias_init: float = 3.0, chunk_size: int = 64,
+                 gate_logit_normalizer: float = 16.0, gate_bias_init: float = 3.0, chunk_size: int | None = None,
                  eps: float = 1e-6, norm_eps: float = 1e-5, layer_idx: int | None = None,
                  backend: str | None = None):
         super().__init__()

@@ -178,7 +178,7 @@ def _define(order: str):
     @torch.library.custom_op(f"hla::{order}_chunk", mutates_args=())
     def chunk(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], initial_state: List[Tensor],
               gamma: Optional[float], normalize: bool, eps: float, output_final_state: bool,
-              chunk_size: int, backend: Optional[str]) -> List[Tensor]:
+              chunk_size: Optional[int], backend: Optional[str]) -> List[Tensor]:
         outs = run(q, k, v, g, initial_state, gamma, normalize, eps, output_final_state, chunk_size, backend)
         return _fresh(outs, [q, k, v, g, *initial_state])
 
@@ -195,7 +195,7 @@ def _define(order: str):
     @torch.library.custom_op(f"hla::{order}_chunk_backward", mutates_args=())
     def chunk_backward(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], initial_state: List[Tensor],
                        grads: List[Tensor], gamma: Optional[float], normalize: bool, eps: float,
-                       output_final_state: bool, chunk_size: int, backend: Optional[str]) -> List[Tensor]:
+                       output_final_state: bool, chunk_size: Optional[int], backend: Optional[str]) -> List[Tensor]:
         # recompute the forward with autograd recording, then differentiate it (module docstring)
         ins = [q, k, v] + ([g] if g is not None else []) + list(initial_state)
         leaves = [x.detach().requires_grad_(True) for x in ins]
@@ -269,7 +269,7 @@ def step_op(order: str):
 
 
 def chunked(order, q, k, v, *, gamma=None, g=None, normalize=False, eps=1e-6, initial_state=None,
-            output_final_state=False, chunk_size=64, backend=None):
+            output_final_state=False, chunk_size=None, backend=None):
     """``hla_fast.<order>`` through its custom op: same arguments and returns (o, state or None).
 
     Eager callers gain nothing from the op (its backward recomputes the forward); the layer uses

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from .conftest import DEVICE, HAS_CUDA
-from .helpers import brute_ahla, has_cuda_compiler, rand_gates, rand_qkv, rel, torch
+from .helpers import brute_ahla, dg_tol, has_cuda_compiler, rand_gates, rand_qkv, rel, torch
 
 import hla_fast
 from hla_fast import AHLAState, ChunkConfig
@@ -80,6 +80,8 @@ def test_chunks_of_128_scale_the_rows(normalize, segments, device, poison):
                                   initial_state=AHLAState(*(None if x is None else x.double() for x in st0)),
                                   output_final_state=True, backend="torch")
     for C in (64, 128):
+        if C > launch.FP32_MAX_CHUNK and segments > 1 and device == "cuda":
+            continue   # fp32 segment summaries of chunks of 128 ask Hopper for 256 KB of shared memory
         cfg = _cfg(C, C).replace(fwd_segments=segments)
         o, st = hla_fast.ahla(q, k, v, g=g, normalize=normalize, initial_state=st0, output_final_state=True,
                               backend="triton", config=cfg)
@@ -113,7 +115,7 @@ def test_backward_chunks_and_kept_or_recomputed_states(bwd_chunk, save_states, s
     o64, want = _grads64(q, k, v, g, do)
     assert rel(o, o64) < TOL
     for name, a, b in zip(["dq", "dk", "dv", "dg"], got, want):
-        assert rel(a, b) < (1e-4 if name == "dg" else TOL), name
+        assert rel(a, b) < (dg_tol(b, TOL) if name == "dg" else TOL), name
 
 
 @pytest.mark.parametrize("keys_per_block", [False, True])
@@ -136,7 +138,7 @@ def test_value_blocks_in_both_passes(normalize, keys_per_block, device, poison, 
     o64, want = _grads64(q, k, v, g, do, st0, normalize)
     assert rel(o, o64) < TOL
     for i, (a, b) in enumerate(zip(got, want)):
-        assert rel(a, b) < (1e-4 if i == 3 else TOL), i
+        assert rel(a, b) < (dg_tol(b, TOL) if i == 3 else TOL), i
     # one forward value block gives the same output
     o_one, _ = hla_fast.ahla(q, k, v, g=g, normalize=normalize, initial_state=st0, backend="triton",
                              config=_cfg(block_v=128))
@@ -159,7 +161,7 @@ def test_gradient_launches(parts, normalize, device, poison):
     o64, want = _grads64(q, k, v, g, do, normalize=normalize)
     assert rel(o, o64) < TOL
     for name, a, b in zip(["dq", "dk", "dv", "dg"], got, want):
-        assert rel(a, b) < (1e-4 if name == "dg" else TOL), name
+        assert rel(a, b) < (dg_tol(b, TOL) if name == "dg" else TOL), name
 
 
 def test_snapshots_are_the_states_at_chunk_starts(device, poison):
@@ -220,7 +222,7 @@ def test_wide_head(device, poison):
     o64, want = _grads64(q, k, v, g, do)
     assert rel(o, o64) < TOL
     for name, a, b in zip(["dq", "dk", "dv", "dg"], got, want):
-        assert rel(a, b) < (1e-4 if name == "dg" else TOL), name
+        assert rel(a, b) < (dg_tol(b, TOL) if name == "dg" else TOL), name
 
 
 @pytest.mark.parametrize("save_states", [False, True])
@@ -251,7 +253,7 @@ def test_layered_backward(save_states, normalize, device, poison):
     o64, want = grads("torch", torch.float64, "cpu")
     assert rel(o, o64) < TOL
     for i, (a, b) in enumerate(zip(got, want)):
-        assert rel(a, b) < (1e-4 if i == 3 else TOL), i
+        assert rel(a, b) < (dg_tol(b, TOL) if i == 3 else TOL), i
 
 
 def test_config_rule_and_wide_segments_refused(device):
@@ -286,6 +288,14 @@ def test_config_rule_and_wide_segments_refused(device):
     assert (long_chunks.fwd_chunk, long_chunks.fwd_warps, long_chunks.fwd_prefetch) == (128, 8, False)
     assert long_chunks.fwd_stages == (2 if bf16 else 1)
     assert {c.fwd_stages for c in (cfg, wide, train, long, f32_train)} == {1}
+    # chunk_size None (the call's default): that layout for a bf16 inference forward of 128-wide keys
+    # (under the interpreter, whose dots are not bf16, 64), 64 rows everywhere else
+    dev = torch.device(device)
+    assert chunk.ahla_config(2, 4096, 4, 128, 128, torch.bfloat16, dev, None) == (long_chunks if bf16 else wide)
+    assert chunk.ahla_config(2, 4096, 4, 128, 128, torch.bfloat16, dev, None, training=True) == train
+    assert chunk.ahla_config(2, 4096, 4, 64, 64, torch.bfloat16, dev, None) == cfg
+    assert chunk.ahla_config(2, 4096, 4, 128, 128, torch.float32, dev, None) == \
+        chunk.ahla_config(2, 4096, 4, 128, 128, torch.float32, dev, 64)
     f32 = chunk.ahla_config(2, 4096, 4, 128, 128, torch.float32, torch.device(device), 64, training=True)
     assert not f32.fwd_prefetch and not f32.bwd_prefetch
     widest = chunk.ahla_config(1, 4096, 1, 256, 64, torch.bfloat16, torch.device(device), 64)
@@ -526,24 +536,27 @@ def test_gpu_forward_backward(dtype, K, V, normalize, poison):
         if b is not None:
             assert rel(a, b) < GPU_TOL[dtype]
     for i, (a, b) in enumerate(zip(got, want)):
-        # dg (i = 3) is a reverse cumulative sum of differences of products: a few times looser
-        assert rel(a, b) < GPU_TOL[dtype] * (10 if i == 3 else 1), i
+        # dg (i = 3): a reverse cumulative sum, whose terms cancel (helpers.dg_tol)
+        assert rel(a, b) < (dg_tol(b, GPU_TOL[dtype]) if i == 3 else GPU_TOL[dtype]), i
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("chunk_size", [128, None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("normalize", [False, True])
-def test_gpu_forward_of_chunks_of_128(dtype, normalize, poison):
-    """chunk_size=128 with 128-wide keys: the rule's 8-warp forward of chunks of 128 (bf16) and the
-    fp32 one, gates, an initial state and the final state, against the float64 torch path."""
+def test_gpu_forward_of_chunks_of_128(dtype, normalize, chunk_size, poison):
+    """chunk_size=128 with 128-wide keys, and the default chunk_size=None, which takes it for bf16:
+    the rule's 8-warp forward of chunks of 128 (bf16; fp32 inputs get chunks of 64 either way),
+    gates, an initial state and the final state, against the float64 torch path."""
     B, T, H, K, V = 2, 1500, 2, 128, 128
     q, k, v = rand_qkv(B, T, H, K, V, seed=21, scale=0.15, positive=normalize, device="cuda", dtype=dtype)
     g = rand_gates(B, T, H, seed=22, strength=0.01, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(23)
     st0 = _state0(B, H, K, V, normalize, gen, scale=0.1)
-    assert chunk.ahla_config(B, T, H, K, V, dtype, torch.device("cuda"), 128).fwd_chunk == 128
+    want = 128 if dtype == torch.bfloat16 else 64   # fp32 forward chunks stop at FP32_MAX_CHUNK
+    assert chunk.ahla_config(B, T, H, K, V + normalize, dtype, torch.device("cuda"), chunk_size).fwd_chunk == want
     o, st = hla_fast.ahla(q, k, v, g=g, normalize=normalize, initial_state=st0, output_final_state=True,
-                          chunk_size=128)
+                          chunk_size=chunk_size)
     o64, st64 = hla_fast.ahla(q.double(), k.double(), v.double(), g=g.double(), normalize=normalize,
                               initial_state=AHLAState(*(None if x is None else x.double() for x in st0)),
                               output_final_state=True, backend="torch")

@@ -130,10 +130,22 @@ def test_flags_and_numbers(op, device):
         op.op(q, k, v, chunk_size=48, backend="triton")
     with pytest.raises(ValueError, match="chunk_size"):
         op.op(q.cpu(), k.cpu(), v.cpu(), chunk_size=0, backend="torch")
-    with pytest.raises(TypeError, match="chunk_size"):
+    with pytest.raises(TypeError, match="chunk_size must be None or an int, got float"):
         op.op(q, k, v, chunk_size=16.0)
+    with pytest.raises(TypeError, match="chunk_size must be None or an int, got bool"):
+        op.op(q, k, v, chunk_size=True)
     with pytest.raises(TypeError, match="config must be a ChunkConfig"):
         op.op(q, k, v, backend="triton", config={"fwd_chunk": 16})
+
+
+@OPS
+def test_default_chunk_size(op, device):
+    """chunk_size=None, the default, is 64 rows on the torch backend and, for fp32 inputs, the
+    rule's layout for 64 on triton: the same computation, the same bits (only a bf16 forward of
+    AHLA with 128-wide keys takes chunks of 128 by default, ``test_ahla_kernels``)."""
+    q, k, v = _qkv(T=70, device=device)
+    for backend, x in [("torch", (q.cpu(), k.cpu(), v.cpu())), ("triton", (q, k, v))]:
+        assert torch.equal(op.op(*x, backend=backend)[0], op.op(*x, chunk_size=64, backend=backend)[0]), backend
 
 
 def test_config_fields_are_checked():

@@ -42,11 +42,11 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..common.compile import compile_ahead, launch_kernel
-from ..common.config import ChunkConfig
+from ..common.config import DEFAULT_CHUNK, ChunkConfig
 from ..common.gates import log_gamma, reverse_cumsum
 from ..common.launch import (
-    autograd_records, bf16_dots, cdiv, dot_precision, min_key_block, min_value_block, one_wave_segments, plan_pieces,
-    pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, value_block,
+    FP32_MAX_CHUNK, autograd_records, bf16_dots, cdiv, dot_precision, min_key_block, min_value_block, one_wave_segments,
+    plan_pieces, pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, value_block,
 )
 from .chunk_kernels import (
     ahla_bwd_dh_kernel, ahla_bwd_fold_kernel, ahla_bwd_grad_kernel, ahla_bwd_layer_kernel, ahla_bwd_state_kernel,
@@ -83,20 +83,25 @@ SCALE_ROWS_MIN_CHUNK = 128
 
 @functools.lru_cache(maxsize=4096)
 def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: torch.device,
-                chunk_size: int = 64, training: bool = False) -> ChunkConfig:
+                chunk_size: int | None = None, training: bool = False) -> ChunkConfig:
     """The default layout for one call; ``training``: the forward will be differentiated (its
-    layout then serves the backward too). From HLA2's measured layouts (hla_fast/README.md, "The
+    layout then serves the backward too); ``chunk_size``: None (the call's default) or the rows
+    per chunk asked for. From HLA2's measured layouts (hla_fast/README.md, "The
     configuration rule"), and for keys of 65 to 128 from AHLA's own layout sweep
     (benchmarks/results/ahla_h200_variants.md, bf16, T = 32k):
 
     * chunks of ``chunk_size`` forward (at most 32 for keys wider than 128: a [K, 64] tile of P
-      and of E stays in registers); backward chunks of at most 64 rows, at most 32 for heads wider
+      and of E stays in registers; at most FP32_MAX_CHUNK for fp32 and fp16 inputs, whose tiles
+      are fp32: the segment summary of fp32 chunks of 128 asked an H200 for 256 KB of shared
+      memory); backward chunks of at most 64 rows, at most 32 for heads wider
       than 64 and 16 for keys wider than 128 (the coupled per-chunk gradient kernel holds many
       [BT, BT] and [BT, K] tiles), but 64 for the layered backward below;
     * keys of 65 to 128, training, coupled backward: the forward takes the backward's chunk of 32 and keeps its
       chunk-start states, instead of a forward of 64 whose states the backward recomputes at 32
       (19.1 against 21.6 ms forward + backward at K = V = 128);
     * forward value blocks of 64 columns (the backward's are BWD_BLOCK_V);
+    * a bf16 forward that autograd does not record, with key tiles of 128 and ``chunk_size`` None,
+      runs in chunks of 128 (the layout below; 64 rows otherwise, DEFAULT_CHUNK);
     * a bf16 forward of chunks of 128 (``chunk_size=128``) with key tiles of 128 runs in 8 warps
       without loading ahead: 2.35 ms against 2.67 for the default chunks of 64 in 4 warps
       (K = V = 128, T = 32k, ``ahla_h200_fwd_chunks.md``; in 4 warps, or loading ahead, an sm_90
@@ -144,13 +149,15 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     BK = pow2_block(K, min_key_block(device))
     bf16 = bf16_dots(dtype)
     layers = training and bf16 and 64 < BK <= GRAD_SHARED_KEYS_MAX_K
+    if chunk_size is None:
+        chunk_size = 128 if bf16 and not training and 64 < BK <= 128 else DEFAULT_CHUNK
     bwd_chunk = min(chunk_size, 16 if K > 128 else (32 if wide and not layers else 64))
     if K > 128:
         fwd_chunk = min(chunk_size, 32)
     elif training and BK > 64:
         fwd_chunk = bwd_chunk
-    else:
-        fwd_chunk = chunk_size
+    else:   # fp32 and fp16 inputs walk fp32 tiles: their forward chunks stop at FP32_MAX_CHUNK
+        fwd_chunk = chunk_size if dtype == torch.bfloat16 else min(chunk_size, FP32_MAX_CHUNK)
     block_v = min(64, pow2_block(V, min_value_block(device)))
     bwd_warps = 4 if BK <= 64 else 8
     wide_long = bf16 and BK > 64 and fwd_chunk >= 128   # a forward of chunks of 128 with wide keys: 8 warps
@@ -550,7 +557,7 @@ class AHLAChunkFunction(torch.autograd.Function):
         return dq, dk, dv, dg, dP0, dE0, dp0, de0, None, None, None, None, None
 
 
-def ahla_chunked(q, k, v, g, gamma, p0, e0, pn0, en0, normalize, eps, config=None, chunk_size=64, launch=None):
+def ahla_chunked(q, k, v, g, gamma, p0, e0, pn0, en0, normalize, eps, config=None, chunk_size=None, launch=None):
     """AHLA on the Triton kernels.
 
     q, k: [B, T, H, K]; v: [B, T, H, V] (contiguous); g: [B, T, H] or None; p0, e0, pn0, en0:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..common.checks import check_call, check_sequence_options, check_state, zero_state
+from ..common.config import chunk_or_default
 from ..common.gates import call_gates
 from ..common.launch import autograd_records
 from ..common.varlen import varlen_call
@@ -19,7 +20,7 @@ def _check_state(state, B, H, K, V, normalize, q, name):
 
 
 def ahla(q, k, v, *, gamma=None, g=None, normalize=False, eps=1e-6, initial_state=None,
-         output_final_state=False, chunk_size=64, backend=None, config=None, cu_seqlens=None):
+         output_final_state=False, chunk_size=None, backend=None, config=None, cu_seqlens=None):
     """Asymmetric HLA (AHLA) with a constant decay or per-token gates.
 
     o_t = sum_{j <= i <= t} exp(b_t - b_j) (q_t . k_i)(q_i . k_j) v_j with b_t = sum_{s <= t} g_s
@@ -39,8 +40,10 @@ def ahla(q, k, v, *, gamma=None, g=None, normalize=False, eps=1e-6, initial_stat
         initial_state: AHLAState(P [B, H, K, V], E [B, H, K, V], p [B, H, K], e [B, H, K] if
             normalize), fp32 (float64 on the float64 torch path), or None for zeros. Differentiable.
         output_final_state: also return the state after the last token.
-        chunk_size: rows per chunk (16, 32, 64 or 128 on the triton backend); the result does
-            not depend on it.
+        chunk_size: None (the default: 64 rows on the torch backend, ``ahla_config``'s chunks
+            on triton: 128 rows for a bf16 forward with keys 65 to 128 wide that autograd does
+            not record, 64 otherwise) or the rows per chunk: 16, 32, 64 or 128 on triton (the
+            rule may take fewer), >= 1 on torch. The result does not depend on it.
         backend: "triton", "torch" or None (triton for CUDA tensors, torch otherwise).
         config: a ChunkConfig for the triton backend (None: ``ahla_config``'s rule, its training
             layout when autograd records and an input requires grad); segments need K <= 128.
@@ -61,7 +64,7 @@ def ahla(q, k, v, *, gamma=None, g=None, normalize=False, eps=1e-6, initial_stat
     if backend == "torch":
         from .torch_backend import ahla_torch
 
-        o, final = ahla_torch(q, k, v, call_gates(g, gamma, q), normalize, eps, st, chunk_size)
+        o, final = ahla_torch(q, k, v, call_gates(g, gamma, q), normalize, eps, st, chunk_or_default(chunk_size))
         return o, (final if output_final_state else None)
     from .chunk import ahla_chunked
 

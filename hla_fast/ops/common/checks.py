@@ -74,15 +74,19 @@ def check_backend(backend, device: torch.device) -> str:
     return backend
 
 
-def check_chunk_size(chunk_size, backend: str) -> int:
-    """An int: 16, 32, 64 or 128 on the triton backend (a power of two tile), >= 1 on torch."""
+def check_chunk_size(chunk_size, backend: str):
+    """None (the default: the configuration rule's chunks on the triton backend, DEFAULT_CHUNK
+    rows on torch) or an int: 16, 32, 64 or 128 on the triton backend (a power of two tile),
+    >= 1 on torch."""
+    if chunk_size is None:
+        return None
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-        raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
+        raise TypeError(f"chunk_size must be None or an int, got {type(chunk_size).__name__}")
     if backend == "triton":
         if chunk_size not in (16, 32, 64, 128):
-            raise ValueError(f"chunk_size must be 16, 32, 64 or 128 on the triton backend, got {chunk_size}")
+            raise ValueError(f"chunk_size must be None, 16, 32, 64 or 128 on the triton backend, got {chunk_size}")
     elif chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        raise ValueError(f"chunk_size must be None or >= 1, got {chunk_size}")
     return chunk_size
 
 

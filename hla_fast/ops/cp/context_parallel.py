@@ -141,7 +141,7 @@ def _check_local(q, k, v, gamma, g, normalize, output_final_state):
 
 
 def context_parallel(op, q, k, v, *, group=None, gamma=None, g=None, normalize=False, eps=1e-6,
-                     initial_state=None, output_final_state=False, chunk_size=64, backend=None,
+                     initial_state=None, output_final_state=False, chunk_size=None, backend=None,
                      config=None, check_ranks=True):
     """Run ``op`` ("hla2", "ahla", "hla3" or the function) on a sequence split over the ranks of
     ``group`` (None: the default group): rank r holds tokens of slice r, in rank order.
@@ -223,7 +223,7 @@ def _check_ranks(dist, group, world, q, v, gamma, g, normalize, eps, chunk_size,
 
 
 def run_slices(op, qs, ks, vs, *, gs=None, gamma=None, normalize=False, eps=1e-6, initial_state=None,
-               output_final_state=False, chunk_size=64, backend=None, config=None):
+               output_final_state=False, chunk_size=None, backend=None, config=None):
     """The context-parallel algorithm in one process: ``qs, ks, vs`` (and ``gs``) are lists of the
     slices [B, T_r, H, .] in order; the exchange is a list. Returns (list of outputs, final state or
     None). Differentiable like :func:`context_parallel` (same first pass, flattening, fold and

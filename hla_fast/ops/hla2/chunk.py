@@ -40,11 +40,11 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..common.compile import compile_ahead, launch_kernel
-from ..common.config import ChunkConfig, refuse_ahla_fields
+from ..common.config import ChunkConfig, chunk_or_default, refuse_ahla_fields
 from ..common.gates import log_gamma, reverse_cumsum
 from ..common.launch import (
-    bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments, plan_pieces,
-    pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, value_block,
+    FP32_MAX_CHUNK, bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments,
+    plan_pieces, pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, value_block,
 )
 from ..common.normalize import normalized_output_grad
 from .chunk_kernels import (
@@ -57,11 +57,6 @@ TILE_MAX = 128
 # width of the feature blocks a head wider than TILE_MAX is cut into: with 128-wide blocks the
 # backward of a cross pair did not fit the H200's shared memory (hla_fast/README.md, wide heads)
 FEATURE_BLOCK = 64
-# longest forward chunk of inputs whose tiles are fp32 (fp32 and fp16 inputs): hla2_fwd_kernel on
-# chunks of 128 at K = 16 takes 256 KB of shared memory by an sm_90 compile, fp32 and fp16 alike
-# (benchmarks/results/compile_hla2_fp32_chunk128_cpu.md, compile_hla2_fp16_chunk128_cpu.md), past Hopper's 227 KB (an H200 refused
-# third order's launch of it, which runs this kernel)
-FP32_MAX_CHUNK = 64
 # fewest chunks a segment walks when segments are picked by occupancy
 MIN_SEGMENT_CHUNKS = 4
 # a sequence of at most SHORT_CHUNKS chunks (heads up to 64 wide) walks in one segment and computes
@@ -79,9 +74,10 @@ def bwd_value_width(K: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: torch.device,
-                chunk_size: int = 64, gated: bool = False, normalize: bool = False) -> ChunkConfig:
+                chunk_size: int | None = None, gated: bool = False, normalize: bool = False) -> ChunkConfig:
     """The default layout for one call, by the measurements in ``benchmarks/results/``
-    (summarized, with the numbers, in hla_fast/README.md, "The configuration rule"):
+    (summarized, with the numbers, in hla_fast/README.md, "The configuration rule"); a
+    ``chunk_size`` of None stands for DEFAULT_CHUNK (64):
 
     * heads up to 64 wide: chunks of ``chunk_size`` forward (at most FP32_MAX_CHUNK for fp32 and
       fp16 inputs, whose tiles are fp32) and at most 64 backward; wider heads:
@@ -121,6 +117,7 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
       same speed (``hla2_h200_pieces.md``, ``hla2_h200_ab_pieces.json``).
     Off CUDA (the interpreter) every walk is one segment. K is the width of one program's key
     tile (a feature block of a wider head). The result is immutable, so it is cached per shape."""
+    chunk_size = chunk_or_default(chunk_size)
     wide = max(K, V) > 64
     fp32 = dtype == torch.float32
     wide_chunk = 16 if fp32 else 32   # fp32: tf32x3 products of 32-row tiles were the slowest compiles
@@ -460,7 +457,7 @@ def _feature_blocks(K):
     return [(0, K)] if K <= TILE_MAX else even_blocks(K, FEATURE_BLOCK)
 
 
-def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chunk_size=64, rate=1, launch=None):
+def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chunk_size=None, rate=1, launch=None):
     """HLA2 on the Triton kernels, any head size up to 256 (through the checks).
 
     q, k: [B, T, H, K]; v: [B, T, H, V] (contiguous); g: [B, T, H] or None; s0, w0, z0: fp32

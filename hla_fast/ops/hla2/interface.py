@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..common.checks import check_call, check_sequence_options, check_state, zero_state
+from ..common.config import chunk_or_default
 from ..common.gates import call_gates
 from ..common.launch import autograd_records
 from ..common.varlen import varlen_call
@@ -18,7 +19,7 @@ def _check_state(state, B, H, K, V, normalize, q, name):
 
 
 def hla2(q, k, v, *, gamma=None, g=None, normalize=False, eps=1e-6, initial_state=None,
-         output_final_state=False, chunk_size=64, backend=None, config=None, cu_seqlens=None):
+         output_final_state=False, chunk_size=None, backend=None, config=None, cu_seqlens=None):
     """Masked second-order HLA with a constant decay or per-token gates.
 
     o_t = sum_{i <= j <= t} exp(2 b_t - b_i - b_j) (q_t . k_i)(q_j . k_i) v_j with
@@ -37,8 +38,9 @@ def hla2(q, k, v, *, gamma=None, g=None, normalize=False, eps=1e-6, initial_stat
         initial_state: HLA2State(S [B, H, K, K], W [B, H, K, V], z [B, H, K] if normalize),
             fp32 (float64 on the float64 torch path), or None for zeros. Differentiable.
         output_final_state: also return the state after the last token.
-        chunk_size: rows per chunk (16, 32, 64 or 128 on the triton backend); the result does
-            not depend on it.
+        chunk_size: None (the default: 64 rows on the torch backend, ``hla2_config``'s chunks
+            on triton) or the rows per chunk: 16, 32, 64 or 128 on triton (the rule may take
+            fewer), >= 1 on torch. The result does not depend on it.
         backend: "triton", "torch" or None (triton for CUDA tensors, torch otherwise).
         config: a ChunkConfig for the triton backend (None: ``hla2_config``'s measured rule).
         cu_seqlens: None, or int32 offsets [N + 1] of N sequences packed along T (B == 1);
@@ -58,7 +60,7 @@ def hla2(q, k, v, *, gamma=None, g=None, normalize=False, eps=1e-6, initial_stat
     if backend == "torch":
         from .torch_backend import hla2_torch
 
-        o, final = hla2_torch(q, k, v, call_gates(g, gamma, q), normalize, eps, st, chunk_size)
+        o, final = hla2_torch(q, k, v, call_gates(g, gamma, q), normalize, eps, st, chunk_or_default(chunk_size))
         return o, (final if output_final_state else None)
     from .chunk import hla2_chunked
 

@@ -52,7 +52,7 @@ from torch.autograd.function import once_differentiable
 
 from ..ahla.chunk import ahla_config, layer_bwd, layer_fwd
 from ..common.compile import compile_ahead, launch_kernel
-from ..common.config import ChunkConfig, refuse_ahla_fields
+from ..common.config import ChunkConfig, chunk_or_default, refuse_ahla_fields
 from ..common.launch import autograd_records, snapshot_dtype
 from ..common.gates import reverse_cumsum
 from ..hla2 import chunk as hla2_chunk
@@ -64,7 +64,7 @@ TILE_MAX = 128
 
 @functools.lru_cache(maxsize=4096)
 def hla3_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: torch.device,
-                chunk_size: int = 64, gated: bool = False) -> ChunkConfig:
+                chunk_size: int | None = None, gated: bool = False) -> ChunkConfig:
     """The default layout of the second stage: HLA2's rule (``hla2.chunk.hla2_config``, its
     measurements there), since that stage runs HLA2's kernels. ``gated``: the call has log-gates g.
     V: the values the kernels see (V + 1 when normalizing). The first stage takes AHLA's rule
@@ -74,15 +74,17 @@ def hla3_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
 
 
 def first_stage_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: torch.device,
-                       chunk_size: int = 64, training: bool = False) -> ChunkConfig:
+                       chunk_size: int | None = None, training: bool = False) -> ChunkConfig:
     """The default layout of the first stage: AHLA's rule (``ahla.chunk.ahla_config``), whose
     forward walk it runs without the second layer and whose layer kernels give its backward
     (``training``: the forward will be differentiated). Timed in one process against HLA2's rule
     for both stages (bf16, B = 4, H = 16, T = 32k, ``benchmarks/results/hla3_h200_ab_first_stage.json``):
     forward 1.79 -> 1.65 ms at K = V = 64 (AHLA's walk loads ahead there) and 9.56 -> 8.24 ms at
     128 (chunks of 64 in 4 warps instead of HLA2's 32 in 8), forward + backward 7.57 -> 7.43 and
-    34.5 -> 32.1 ms."""
-    return ahla_config(B, T, H, K, V, dtype, device, chunk_size, training=training)
+    34.5 -> 32.1 ms. A ``chunk_size`` of None is DEFAULT_CHUNK here: AHLA's rule would run a bf16
+    inference forward of 128-wide keys in chunks of 128, measured for AHLA's walk with its second
+    layer, not for this one."""
+    return ahla_config(B, T, H, K, V, dtype, device, chunk_or_default(chunk_size), training=training)
 
 
 def first_stage_states(q, k, v, g, gamma, p0, cfg: ChunkConfig, launch=launch_kernel):
@@ -149,7 +151,7 @@ class HLA3StagedFunction(torch.autograd.Function):
         return dq, dk, dv, dg, ds0, dp0, df0, None, None, None, None
 
 
-def hla3_chunked(q, k, v, g, gamma, state, normalize, eps, config=None, chunk_size=64, launch=None):
+def hla3_chunked(q, k, v, g, gamma, state, normalize, eps, config=None, chunk_size=None, launch=None):
     """HLA3 on the Triton kernels (K <= TILE_MAX through the checks).
 
     q, k: [B, T, H, K]; v: [B, T, H, V] (contiguous); g: [B, T, H] or None; state: a checked fp32

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..common.checks import check_call, check_sequence_options, check_state, zero_state
+from ..common.config import chunk_or_default
 from ..common.gates import call_gates
 from ..common.launch import autograd_records
 from ..common.varlen import varlen_call
@@ -22,7 +23,7 @@ def _check_state(state, B, H, K, V, normalize, q, name):
 
 
 def hla3(q, k, v, *, gamma=None, g=None, normalize=False, eps=1e-6, initial_state=None,
-         output_final_state=False, chunk_size=64, backend=None, config=None, cu_seqlens=None):
+         output_final_state=False, chunk_size=None, backend=None, config=None, cu_seqlens=None):
     """Masked third-order HLA with a constant decay or per-token gates.
 
     o_t = sum_{i <= u, j <= u, u <= t} exp(3 b_t - b_i - b_u - b_j) (q_t . k_i)(k_i . q_u)(q_u . k_j) v_j
@@ -45,9 +46,10 @@ def hla3(q, k, v, *, gamma=None, g=None, normalize=False, eps=1e-6, initial_stat
             f [B, H, K] (p, f if normalize)), fp32 (float64 on the float64 torch path), or None for
             zeros. Differentiable.
         output_final_state: also return the state after the last token.
-        chunk_size: 16, 32, 64 or 128: the rows per chunk of the torch backend, and on the
-            triton backend a bound on them (the stages' rules, ``hla2_config``'s and
-            ``ahla_config``'s, take it or less); the result does not depend on it.
+        chunk_size: None (the default, 64) or 16, 32, 64 or 128 (>= 1 on torch): the rows per
+            chunk of the torch backend, and on the triton backend a bound on them (the stages'
+            rules, ``hla2_config``'s and ``ahla_config``'s, take it or less); the result does not
+            depend on it.
         backend: "triton", "torch" or None (triton for CUDA tensors, torch otherwise).
         config: a ChunkConfig for both stages of the triton backend (None: each stage's rule,
             ``hla3_config`` for the second, HLA2's kernels at rate 2, and AHLA's for the first,
@@ -72,7 +74,7 @@ def hla3(q, k, v, *, gamma=None, g=None, normalize=False, eps=1e-6, initial_stat
     if backend == "torch":
         from .torch_backend import hla3_torch
 
-        o, final = hla3_torch(q, k, v, call_gates(g, gamma, q), normalize, eps, st, chunk_size)
+        o, final = hla3_torch(q, k, v, call_gates(g, gamma, q), normalize, eps, st, chunk_or_default(chunk_size))
         return o, (final if output_final_state else None)
     from .chunk import hla3_chunked
 
