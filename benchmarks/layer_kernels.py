@@ -57,7 +57,7 @@ def measure(D, T):
         def f():
             ahla_bwd_layer_kernel[(NT, BH)](
                 q=q, k=k, x=v, dy=do, g=None, h0=states[0], dh_end=states[1], dx=dx, dq=dq, dk=dk, dq_in=dq, dk_in=dk,
-                db=None, BK=triton.next_power_of_2(D), BV=BV, num_warps=w, num_stages=s, **common)
+                db=None, DB_OWN=False, BK=triton.next_power_of_2(D), BV=BV, num_warps=w, num_stages=s, **common)
         out["grad"].append([BV, w, s, _time(f)])
     return out
 

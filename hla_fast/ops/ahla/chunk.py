@@ -66,12 +66,15 @@ MIN_SEGMENT_CHUNKS = 4
 # width, in DH_WARPS warps, loads pipelined DH_STAGES deep (the walk's loads do not depend on the
 # state it carries). At K = V = 128, T = 32k, bf16: 0.683 ms a walk, against 0.992 in 8 warps
 # without pipelining and 0.71 to 1.73 ms for key blocks of 32 or 128 (benchmarks/results/
-# ahla_h200_layers_kernels.md)
+# ahla_h200_layers_kernels.md). At K = V = 64 (HLA3's first stage): 0.413 ms, against 0.377 for key
+# blocks of 32 (not taken for 0.04 ms) and 0.58 to 1.66 for 128 (ahla_h200_layers_kernels_k64.md)
 DH_BLOCK_K = 64
 DH_WARPS = 4
 DH_STAGES = 3
 # the layered backward's per-chunk kernel (``ahla_bwd_layer_kernel``) pipelines the loads of its
-# two value blocks: 3.32 against 3.64 ms a launch in 8 warps (the same record)
+# two value blocks: 3.32 against 3.64 ms a launch in 8 warps (the same record); at K = V = 64 one
+# value block of 64 in 4 warps (the rule's bwd_warps there) took 1.255 ms with one stage or two,
+# against 1.97 in 8 warps and 1.29 to 2.41 for value blocks of 32 (ahla_h200_layers_kernels_k64.md)
 LAYER_STAGES = 2
 # the forward walks of chunks of at least this many rows apply the state update's decay to the rows
 # of V and R instead of the columns of K^T (``_chunk_carry``'s SCALE_ROWS). K = V = 128, T = 32k,
