@@ -10,14 +10,14 @@ from __future__ import annotations
 import dataclasses
 
 _CHUNKS = (16, 32, 64, 128)
-# rows per chunk when a call passes chunk_size=None: the torch backend's chunk, and what the
-# kernels' rules start from (each rule says where a measured layout departs from it)
-DEFAULT_CHUNK = 64
 _WARPS = (1, 2, 4, 8, 16)
 _STAGES = (1, 2, 3, 4)
 # the fields that take one of a few ints, with their choices
 _CHOICES = {"fwd_chunk": _CHUNKS, "bwd_chunk": _CHUNKS, "fwd_warps": _WARPS, "bwd_warps": _WARPS,
             "fwd_stages": _STAGES, "bwd_stages": _STAGES}
+# rows per chunk when a call passes chunk_size=None: the torch backend's chunk, and what the
+# kernels' rules start from (each rule says where a measured layout departs from it)
+DEFAULT_CHUNK = 64
 
 
 def chunk_or_default(chunk_size) -> int:
