@@ -132,20 +132,6 @@ def rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
-def dg_tol(dg_ref, tol: float) -> float:
-    """The bound on rel(dg, dg_ref) for gradients otherwise held to ``tol``.
-
-    The log-gates' gradient is a reverse cumulative sum, dg_t = sum_{s >= t} db_s (db: the gradient
-    of b = cumsum(g), per token a sum of products that carries the other gradients' error): an error
-    of tol |db_s| in each term reaches every dg_t before it. So ||dg error|| <= tol ||sum_{s >= t}
-    |db_s| ||, and relative to ||dg|| that is tol times how much the terms cancel, read off dg_ref
-    [B, T, H] (db_s = dg_s - dg_{s+1})."""
-    dg = dg_ref.detach().double().cpu()
-    db = dg - torch.cat([dg[:, 1:], torch.zeros_like(dg[:, :1])], 1)
-    reach = db.abs().flip(1).cumsum(1).flip(1)
-    return tol * float(reach.norm() / dg.norm())
-
-
 class _NaNTorch:
     """torch, except that empty / empty_like return NaN-filled float tensors."""
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from .conftest import DEVICE, HAS_CUDA
-from .helpers import brute_ahla, dg_tol, has_cuda_compiler, rand_gates, rand_qkv, rel, torch
+from .helpers import brute_ahla, has_cuda_compiler, rand_gates, rand_qkv, rel, torch
 
 import hla_fast
 from hla_fast import AHLAState, ChunkConfig
@@ -115,7 +115,7 @@ def test_backward_chunks_and_kept_or_recomputed_states(bwd_chunk, save_states, s
     o64, want = _grads64(q, k, v, g, do)
     assert rel(o, o64) < TOL
     for name, a, b in zip(["dq", "dk", "dv", "dg"], got, want):
-        assert rel(a, b) < (dg_tol(b, TOL) if name == "dg" else TOL), name
+        assert rel(a, b) < (1e-4 if name == "dg" else TOL), name
 
 
 @pytest.mark.parametrize("keys_per_block", [False, True])
@@ -138,7 +138,7 @@ def test_value_blocks_in_both_passes(normalize, keys_per_block, device, poison, 
     o64, want = _grads64(q, k, v, g, do, st0, normalize)
     assert rel(o, o64) < TOL
     for i, (a, b) in enumerate(zip(got, want)):
-        assert rel(a, b) < (dg_tol(b, TOL) if i == 3 else TOL), i
+        assert rel(a, b) < (1e-4 if i == 3 else TOL), i
     # one forward value block gives the same output
     o_one, _ = hla_fast.ahla(q, k, v, g=g, normalize=normalize, initial_state=st0, backend="triton",
                              config=_cfg(block_v=128))
@@ -161,7 +161,7 @@ def test_gradient_launches(parts, normalize, device, poison):
     o64, want = _grads64(q, k, v, g, do, normalize=normalize)
     assert rel(o, o64) < TOL
     for name, a, b in zip(["dq", "dk", "dv", "dg"], got, want):
-        assert rel(a, b) < (dg_tol(b, TOL) if name == "dg" else TOL), name
+        assert rel(a, b) < (1e-4 if name == "dg" else TOL), name
 
 
 def test_snapshots_are_the_states_at_chunk_starts(device, poison):
@@ -222,7 +222,7 @@ def test_wide_head(device, poison):
     o64, want = _grads64(q, k, v, g, do)
     assert rel(o, o64) < TOL
     for name, a, b in zip(["dq", "dk", "dv", "dg"], got, want):
-        assert rel(a, b) < (dg_tol(b, TOL) if name == "dg" else TOL), name
+        assert rel(a, b) < (1e-4 if name == "dg" else TOL), name
 
 
 @pytest.mark.parametrize("save_states", [False, True])
@@ -253,7 +253,7 @@ def test_layered_backward(save_states, normalize, device, poison):
     o64, want = grads("torch", torch.float64, "cpu")
     assert rel(o, o64) < TOL
     for i, (a, b) in enumerate(zip(got, want)):
-        assert rel(a, b) < (dg_tol(b, TOL) if i == 3 else TOL), i
+        assert rel(a, b) < (1e-4 if i == 3 else TOL), i
 
 
 def test_config_rule_and_wide_segments_refused(device):
@@ -536,8 +536,8 @@ def test_gpu_forward_backward(dtype, K, V, normalize, poison):
         if b is not None:
             assert rel(a, b) < GPU_TOL[dtype]
     for i, (a, b) in enumerate(zip(got, want)):
-        # dg (i = 3): a reverse cumulative sum, whose terms cancel (helpers.dg_tol)
-        assert rel(a, b) < (dg_tol(b, GPU_TOL[dtype]) if i == 3 else GPU_TOL[dtype]), i
+        # dg (i = 3) is a reverse cumulative sum of differences of products: a few times looser
+        assert rel(a, b) < GPU_TOL[dtype] * (10 if i == 3 else 1), i
 
 
 @pytest.mark.gpu

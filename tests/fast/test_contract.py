@@ -9,7 +9,7 @@ found by using the ops as a user would. Kernel outputs are poisoned with NaN bef
 """
 import pytest
 
-from .helpers import OPERATORS, decay_kwargs, dg_tol, rand_qkv, rand_state, rel, torch
+from .helpers import OPERATORS, decay_kwargs, rand_qkv, rand_state, rel, torch
 
 OPS = pytest.mark.parametrize("op", OPERATORS, ids=lambda o: o.name)
 KINDS = ["none", "gamma", "g"]
@@ -100,8 +100,8 @@ def test_gradients_match_float64(op, kind, normalize, init, device, poison):
         if b is not None:
             assert rel(a, b) < TOL
     for name in want:
-        # dg: a reverse cumulative sum, whose terms cancel (helpers.dg_tol)
-        assert rel(got[name], want[name]) < (dg_tol(want[name], TOL) if name == "dg" else TOL), name
+        # dg is a reverse cumulative sum of differences of fp32 products: a few times fp32's rounding
+        assert rel(got[name], want[name]) < (1e-4 if name == "dg" else TOL), name
 
 
 @OPS
@@ -122,7 +122,7 @@ def test_gradients_of_a_loss_on_part_of_the_outputs(op, used, device, poison):
     _, _, want = _loss_grads(op, q, k, v, st0, dk, False, torch.float64, "cpu", "torch", weights)
     assert set(got) == set(want)
     for name in want:
-        assert rel(got[name], want[name]) < (dg_tol(want[name], TOL) if name == "dg" else TOL), name
+        assert rel(got[name], want[name]) < (1e-4 if name == "dg" else TOL), name
 
 
 @OPS

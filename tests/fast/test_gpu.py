@@ -7,7 +7,7 @@ never zeros.
 """
 import pytest
 
-from .helpers import dg_tol, rand_gates, rand_qkv, ref_hla2, rel, torch
+from .helpers import rand_gates, rand_qkv, ref_hla2, rel, torch
 
 import hla_fast
 
@@ -95,8 +95,8 @@ def _assert_gradients_match(q, k, v, g, tol, normalize=False):
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dS0", "dW0"], got, want):
         assert torch.isfinite(a).all(), name
         # dg_t = sum_{s >= t} (2 q.dq - k.dk/2 - 3 v.dv)_s: a reverse sum over T of products whose
-        # terms cancel, each carrying the error of dq, dk, dv (helpers.dg_tol)
-        assert rel(a, b) < (dg_tol(b, tol) if name == "dg" else tol), name
+        # terms cancel, each carrying the bf16 error of dq, dk, dv: its relative error is about twice theirs
+        assert rel(a, b) < (2 * tol if name == "dg" else tol), name
 
 
 @pytest.mark.parametrize("dtype,K,V,normalize", [

@@ -7,7 +7,7 @@ import pytest
 import triton
 import triton.language as tl
 
-from .helpers import dg_tol, rand_gates, rand_qkv, real_calls, ref_hla2, rel, torch
+from .helpers import rand_gates, rand_qkv, real_calls, ref_hla2, rel, torch
 
 import hla_fast
 from hla_fast import ChunkConfig
@@ -206,8 +206,8 @@ def test_normalized_backward_carries_the_ones_column(V, changes, device, poison)
     for name, a, b in zip(["o", "S", "W", "z"], fin, fin64):
         assert rel(a, b) < TOL, name
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dS0", "dW0", "dz0"], got, want):
-        # dg: a reverse cumulative sum, whose terms cancel (helpers.dg_tol)
-        assert rel(a, b) < (dg_tol(b, TOL) if name == "dg" else TOL), name
+        # dg is a reverse cumulative sum of differences of fp32 products: a few times fp32's rounding
+        assert rel(a, b) < (1e-4 if name == "dg" else TOL), name
 
 
 @pytest.mark.parametrize("dtype,V", [(torch.float32, 24), (torch.float32, 70), (torch.bfloat16, 64)])

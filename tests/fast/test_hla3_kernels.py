@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from .helpers import BENCHMARKS, dg_tol, has_cuda_compiler, rand_gates, rand_qkv, real_calls, rel, torch
+from .helpers import BENCHMARKS, has_cuda_compiler, rand_gates, rand_qkv, real_calls, rel, torch
 
 import hla_fast
 from hla_fast import ChunkConfig
@@ -79,12 +79,12 @@ def test_gradients_against_the_index_sums(gated, init, device, poison):
         assert rel(torch.cat([chained[2], ins[2].grad.double().cpu()], 1), grads[2]) < TOL
         if gated:
             # db_t is the reverse cumsum: the prefix's gates see the suffix's whole gate gradient
-            assert rel(torch.cat([chained[3], gi.grad.double().cpu()], 1), grads[3]) < dg_tol(grads[3], TOL)
+            assert rel(torch.cat([chained[3], gi.grad.double().cpu()], 1), grads[3]) < 1e-4
     else:
         got = [ins[0].grad, ins[1].grad, ins[2].grad, None if gi is None else gi.grad]
         for name, a, b in zip(["dq", "dk", "dv", "dg"], got, grads):
-            # dg: a reverse cumulative sum, whose terms cancel (helpers.dg_tol)
-            assert rel(a, b) < (dg_tol(b, TOL) if name == "dg" else TOL), name
+            # dg: a reverse cumulative sum of differences of fp32 products
+            assert rel(a, b) < (1e-4 if name == "dg" else TOL), name
 
 
 @pytest.mark.parametrize("normalize", [False, True])
@@ -207,7 +207,10 @@ def test_segmented_backward_equals_one_walk(segments, final_grads, device, poiso
 
     runs = [run(SMALL.replace(bwd_segments=n)) for n in (1, segments)]
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dS0", "dP0", "dF0"], *runs):
-        assert rel(b, a) < (dg_tol(a, TOL) if name == "dg" else TOL), name
+        # dg_t = sum_{s >= t} db_s, a reverse cumulative sum whose terms cancel: at this shape the norm
+        # of sum_{s >= t} |db_s| is about 14 times that of dg (float64 torch path), so an error of TOL
+        # in every term could reach dg 14 times over; ten times is the bound the other gates' tests hold
+        assert rel(b, a) < (1e-4 if name == "dg" else TOL), name
 
 
 def test_chunk_size_does_not_change_the_result(device, poison):

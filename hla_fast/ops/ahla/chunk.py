@@ -45,8 +45,8 @@ from ..common.compile import compile_ahead, launch_kernel
 from ..common.config import DEFAULT_CHUNK, ChunkConfig
 from ..common.gates import log_gamma, reverse_cumsum
 from ..common.launch import (
-    FP32_MAX_CHUNK, autograd_records, bf16_dots, cdiv, dot_precision, min_key_block, min_value_block, one_wave_segments,
-    plan_pieces, pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, value_block,
+    autograd_records, bf16_dots, cdiv, dot_precision, min_key_block, min_value_block, one_wave_segments, plan_pieces,
+    pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
 )
 from .chunk_kernels import (
     ahla_bwd_dh_kernel, ahla_bwd_fold_kernel, ahla_bwd_grad_kernel, ahla_bwd_layer_kernel, ahla_bwd_state_kernel,
@@ -160,8 +160,8 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
         fwd_chunk = min(chunk_size, 32)
     elif training and BK > 64:
         fwd_chunk = bwd_chunk
-    else:   # fp32 and fp16 inputs walk fp32 tiles: their forward chunks stop at FP32_MAX_CHUNK
-        fwd_chunk = chunk_size if dtype == torch.bfloat16 else min(chunk_size, FP32_MAX_CHUNK)
+    else:
+        fwd_chunk = tile_chunk(chunk_size, dtype)
     block_v = min(64, pow2_block(V, min_value_block(device)))
     bwd_warps = 4 if BK <= 64 else 8
     wide_long = bf16 and BK > 64 and fwd_chunk >= 128   # a forward of chunks of 128 with wide keys: 8 warps

@@ -112,6 +112,12 @@ def one_wave_segments(n_programs: int, n_chunks: int, device: torch.device, per_
 # (test_ahla_kernels.py::test_chunks_of_128_scale_the_rows)
 FP32_MAX_CHUNK = 64
 
+
+def tile_chunk(chunk_size: int, dtype: torch.dtype) -> int:
+    """``chunk_size`` as a forward walk can take it: bf16 inputs as asked, fp32 and fp16 inputs (fp32
+    tiles) at most FP32_MAX_CHUNK."""
+    return chunk_size if dtype == torch.bfloat16 else min(chunk_size, FP32_MAX_CHUNK)
+
 # pieces of a one-segment backward walk in the rules, and the fewest chunks worth cutting (a piece
 # adds a walk launch and the gradient launches; below some 256 chunks the buffer it saves is small)
 BWD_PIECES = 4

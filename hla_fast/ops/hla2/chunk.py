@@ -43,8 +43,8 @@ from ..common.compile import compile_ahead, launch_kernel
 from ..common.config import ChunkConfig, chunk_or_default, refuse_ahla_fields
 from ..common.gates import log_gamma, reverse_cumsum
 from ..common.launch import (
-    FP32_MAX_CHUNK, bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments,
-    plan_pieces, pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, value_block,
+    bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments, plan_pieces,
+    pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
 )
 from ..common.normalize import normalized_output_grad
 from .chunk_kernels import (
@@ -121,8 +121,7 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     wide = max(K, V) > 64
     fp32 = dtype == torch.float32
     wide_chunk = 16 if fp32 else 32   # fp32: tf32x3 products of 32-row tiles were the slowest compiles
-    # fp32 and fp16 inputs walk fp32 tiles: their forward chunks stop at FP32_MAX_CHUNK
-    fwd_chunk = min(chunk_size, wide_chunk if wide else (chunk_size if dtype == torch.bfloat16 else FP32_MAX_CHUNK))
+    fwd_chunk = min(chunk_size, wide_chunk) if wide else tile_chunk(chunk_size, dtype)
     bwd_chunk = min(chunk_size, wide_chunk if wide else 64)
     block_v = min(64, pow2_block(V, min_value_block(device)))
     bwd_bv = min(pow2_block(V, min_value_block(device)), bwd_value_width(K))
