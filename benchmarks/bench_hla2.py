@@ -1116,7 +1116,7 @@ def main():
         for D in ([32] if smoke else ([64] if args.quick else [128, 64])):
             q, k, v = make_inputs(B, Tm, H, D, D)
             do = torch.randn_like(v)
-            cfg = hla_fast.hla2_config(B, Tm, H, D, D, q.dtype, q.device)
+            cfg = hla_fast.hla2_config(B, Tm, H, D, D, q.dtype, q.device, training=True)   # the training layout
             row = {"B": B, "H": H, "T": Tm, "K": D, "V": D, "default_config": dataclasses.asdict(cfg)}
             cands = {"hla_fast": (hla, (q, k, v)),
                      "hla_fast_no_saved_states": (lambda q, k, v: hla(q, k, v, config=cfg.replace(save_states=False)),

@@ -80,8 +80,8 @@ def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, 
     from hla_fast.ops.common.launch import snapshot_dtype
 
     rule = getattr(hla_fast, f"{op}_config")
-    kw = {"training": not forward_only} if op == "ahla" else ({"gated": gates, "normalize": normalize}
-                                                               if op == "hla2" else {"gated": gates})
+    kw = {"training": not forward_only} if op == "ahla" else (
+        {"gated": gates, "normalize": normalize, "training": not forward_only} if op == "hla2" else {"gated": gates})
     cfg = rule(B, T, H, K, V, dtype, cuda, **kw).replace(**(changes or {}))
     meta = torch.device("meta")
     q = torch.empty(B, T, H, K, dtype=dtype, device=meta)
@@ -96,7 +96,7 @@ def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, 
     if op == "hla2":
         snap = snapshot_dtype(cfg, dtype) if save else None
         cs = chunk.fwd_launch(q, k, v, g, gamma, None, None, None, snapshots=snap, normalize=normalize, eps=1e-6,
-                              **common)[5]
+                              output_pass=cfg.fwd_output_pass, row_blocks=cfg.fwd_row_blocks, **common)[5]
         if not forward_only:
             dd = torch.empty(B, T, H, device=meta) if normalize else None
             chunk.bwd_launch(q, k, v, do, g, gamma, None, None, None, None, cfg, states=cs, want_db=gates,

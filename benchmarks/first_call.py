@@ -79,7 +79,7 @@ def main():
     do = torch.randn(B, T, H, D, device=dev, generator=gen).to(dt)
     g = -0.001 * torch.rand(B, T, H, device=dev, generator=gen)
     leaves = [x.detach().requires_grad_() for x in (q, k, v, g)]
-    rule = hla_fast.hla2_config(B, T, H, D, D, dt, dev)
+    rule = hla_fast.hla2_config(B, T, H, D, D, dt, dev, training=True)   # a forward + backward call
     cfg = rule.replace(**args.config) if args.config else None   # None: the call picks the rule itself
     out["config"] = str(cfg or rule)
     float((leaves[0].float().sum() + leaves[3].sum()).item())  # a torch op on the device first

@@ -81,16 +81,17 @@ def _grads(q, k, v, g, S0, W0, do, dtype, backend, normalize, cfg=None):
     return [x.grad for x in leaves]
 
 
-def _assert_gradients_match(q, k, v, g, tol, normalize=False):
-    """The triton path's dq, dk, dv, dg, dS0, dW0 of sum(o * do) from a small random initial state,
-    finite and within tol of the float64 torch path's (dg within 2 tol)."""
+def _assert_gradients_match(q, k, v, g, tol, normalize=False, cfg=None):
+    """The triton path's dq, dk, dv, dg, dS0, dW0 of sum(o * do) from a small random initial state
+    (in the layout ``cfg``, or the rule's), finite and within tol of the float64 torch path's (dg
+    within 2 tol)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     S0 = torch.rand(B, H, K, K, device=q.device) * 0.02
     S0 = S0 + S0.transpose(-1, -2)
     W0 = torch.randn(B, H, K, V, device=q.device) * 0.02
     do = torch.randn(B, T, H, V, device=q.device, dtype=torch.float64)
-    got = _grads(q, k, v, g, S0, W0, do, q.dtype, "triton", normalize)
+    got = _grads(q, k, v, g, S0, W0, do, q.dtype, "triton", normalize, cfg)
     want = _grads(q, k, v, g, S0, W0, do, torch.float64, "torch", normalize)
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dS0", "dW0"], got, want):
         assert torch.isfinite(a).all(), name
@@ -132,6 +133,32 @@ def test_gradients_in_the_rule_layouts(dtype, T, short, poison):
     g = rand_gates(B, T, H, seed=T + 1, strength=0.01, device="cuda")
     # fp32: tf32x3 products; fp16: fp32 tiles with tf32 products (10-bit mantissas); bf16: 8-bit operands
     _assert_gradients_match(q, k, v, g, {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype])
+
+
+@pytest.mark.parametrize("dtype,K,normalize,row_blocks", [
+    (torch.bfloat16, 128, False, 2), (torch.bfloat16, 128, True, 2), (torch.float32, 128, False, 2),
+    (torch.bfloat16, 128, False, 1), (torch.bfloat16, 64, False, 1), (torch.bfloat16, 96, True, 2),
+])
+def test_split_forward(dtype, K, normalize, row_blocks, poison):
+    """config.fwd_output_pass: a state walk in row blocks, then every chunk's outputs at once (the
+    rule's layout for a bf16 training call at K = V = 128 over at least SPLIT_MIN_CHUNKS chunks,
+    whose walk is one segment: here a long sequence of few heads, its walk made one segment).
+    Outputs, final state and gradients against float64."""
+    from hla_fast.ops.hla2 import chunk
+
+    cuda = torch.device("cuda")
+    rule = hla_fast.hla2_config(4, 32768, 16, 128, 128, torch.bfloat16, cuda, training=True)
+    assert rule.fwd_output_pass and rule.fwd_row_blocks == chunk.SPLIT_ROW_BLOCKS and rule.fwd_segments == 1
+    B, T, H = 1, 8195, 2
+    q, k, v = rand_qkv(B, T, H, K, K, seed=K, scale=0.2, positive=normalize, device="cuda", dtype=dtype)
+    g = rand_gates(B, T, H, seed=K + 1, strength=0.004, device="cuda")
+    cfg = hla_fast.hla2_config(B, T, H, K, K, dtype, cuda, gated=True, normalize=normalize, training=True).replace(
+        fwd_segments=1, fwd_output_pass=True, fwd_row_blocks=row_blocks, fwd_warps=4)
+    want, st_want = _ref64(q, k, v, g=g, normalize=normalize)
+    o, st = hla_fast.hla2(q, k, v, g=g, normalize=normalize, output_final_state=True, config=cfg)
+    assert rel(o, want) < TOL[dtype]
+    assert rel(st.S, st_want.S) < TOL[dtype] and rel(st.W, st_want.W) < TOL[dtype]
+    _assert_gradients_match(q, k, v, g, 1e-3 if dtype == torch.float32 else 5e-2, normalize, cfg)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -78,6 +78,52 @@ def test_segmented_forward_equals_one_walk(segments, normalize, device, poison):
     assert rel(sb[0], sa[0]) < 1e-6 and rel(sb[1], sa[1]) < 1e-6
 
 
+@pytest.mark.parametrize("row_blocks", [1, 2])
+@pytest.mark.parametrize("segments", [1, 2])
+@pytest.mark.parametrize("normalize,cross,rate", [(False, False, 1), (True, False, 1), (False, True, 1),
+                                                  (False, False, 2)])
+def test_split_forward_equals_one_walk(row_blocks, segments, normalize, cross, rate, device, poison):
+    """output_pass: a state walk (its key rows split over ``row_blocks`` programs) storing every
+    chunk's start state, then every chunk's outputs at once, gives the one walk's outputs, den,
+    final state and, when asked for, snapshots; with an initial state, gates, segments, a cross
+    pair, normalization and rate 2 (hla3's second stage). The states it stores only for its own
+    outputs are not returned. 45 tokens in chunks of 16; row blocks of the narrowest key tile: keys
+    32 wide in blocks of 16 on a CPU, 128 wide in blocks of 64 on CUDA."""
+    K = 2 * launch.min_key_block(torch.device(device))
+    q, k, v, g, S0, W0, z0 = _inputs(device, K=K)
+    q2, k2 = (q.flip(-1).contiguous(), k.flip(-1).contiguous()) if cross else (None, None)
+    kw = dict(chunk=16, warps=4, block_v=16, segments=segments, normalize=normalize, eps=1e-6, q2=q2, k2=k2,
+              rate=rate)
+    for snap in (None, torch.float32):
+        a = chunk.fwd_launch(q, k, v, g, None, S0, W0, z0, snapshots=snap, **kw)
+        b = chunk.fwd_launch(q, k, v, g, None, S0, W0, z0, snapshots=snap, output_pass=True, row_blocks=row_blocks,
+                             **kw)
+        assert (b[5] is None) == (snap is None)
+        for x, y in zip(a[:5] + (tuple(a[5]) if snap else ()), b[:5] + (tuple(b[5]) if snap else ())):
+            assert (x is None) == (y is None)
+            if x is not None:
+                assert rel(y, x) < 1e-6
+
+
+def test_row_blocks_need_a_state_walk_and_16_rows(device):
+    q, k, v, g, S0, W0, _ = _inputs(device, K=16)
+    kw = dict(chunk=16, segments=1, warps=4, block_v=16)
+    with pytest.raises(ValueError, match="config.fwd_row_blocks=2 needs config.fwd_output_pass"):
+        chunk.fwd_launch(q, k, v, g, None, None, None, None, row_blocks=2, **kw)
+    least = launch.min_key_block(q.device)
+    with pytest.raises(ValueError, match=f"config.fwd_row_blocks=2 cuts a key tile of {least} into blocks of "
+                                         f"{least // 2} rows; blocks need at least {least} on {q.device.type}"):
+        chunk.fwd_launch(q, k, v, g, None, None, None, None, output_pass=True, row_blocks=2, **kw)
+    # a state walk without outputs (the backward's recompute) may split its rows too
+    q, k, v, g, S0, W0, _ = _inputs(device, K=2 * least)
+    a = chunk.fwd_launch(q, k, v, g, None, S0, W0, None, outputs=False, snapshots=torch.float32, **kw)
+    b = chunk.fwd_launch(q, k, v, g, None, S0, W0, None, outputs=False, snapshots=torch.float32,
+                         row_blocks=2, **kw)
+    assert a[0] is None and b[0] is None
+    for x, y in zip(a[2:4] + tuple(a[5][:2]), b[2:4] + tuple(b[5][:2])):
+        assert rel(y, x) < 1e-6
+
+
 def _close(a, b, tol=1e-5):
     """Two bwd_launch results: the same gradients present, each within tol (relative)."""
     assert [x is None for x in a] == [y is None for y in b]
@@ -296,6 +342,16 @@ def test_configuration_rule(monkeypatch):
     # 128 eight-warp programs (two value blocks a head), one a multiprocessor: one segment
     assert (c.fwd_chunk, c.bwd_chunk, c.fwd_warps, c.fwd_segments, c.bwd_segments) == (32, 32, 8, 1, 1)
     assert c.save_states and c.bwd_pieces == launch.BWD_PIECES  # 1024 chunks: the walk in pieces
+    assert not c.fwd_output_pass and c.fwd_row_blocks == 1
+    # training: the forward stores its chunk states anyway, so it runs split (a state walk in row
+    # blocks of 4 warps, then every chunk's outputs); the rest of the layout is the same
+    t = hla_fast.hla2_config(4, 32768, 16, 128, 128, torch.bfloat16, cuda, training=True)
+    assert t == c.replace(fwd_output_pass=True, fwd_row_blocks=chunk.SPLIT_ROW_BLOCKS, fwd_warps=4)
+    for shape, dtype in [((4, 32768, 16, 64, 64), torch.bfloat16), ((4, 32768, 16, 128, 128), torch.float32),
+                         ((4, 4096, 16, 128, 128), torch.bfloat16), ((1, 32768, 2, 128, 128), torch.bfloat16),
+                         ((4, 32768, 16, 64, 128), torch.bfloat16)]:
+        # narrower keys, fp32, fewer than SPLIT_MIN_CHUNKS chunks, a segmented walk, nothing kept
+        assert not hla_fast.hla2_config(*shape, dtype, cuda, training=True).fwd_output_pass, shape
     c = hla_fast.hla2_config(4, 4096, 16, 128, 128, torch.bfloat16, cuda)
     assert c.bwd_pieces == 1  # 128 chunks: too few to be worth the launches
     c = hla_fast.hla2_config(4, 32768, 16, 64, 128, torch.bfloat16, cuda)
@@ -414,16 +470,20 @@ def test_chunk_beta_sums_the_gates_and_never_rises(row_sums, device):
 @pytest.mark.parametrize("gated,normalize", [(False, False), (True, False), (False, True), (True, True)])
 def test_the_call_asks_the_rule_with_its_gates_and_normalization(gated, normalize, device, monkeypatch):
     """Without a config, hla2 asks hla2_config for the layout of what it runs: gated or not,
-    normalized or not (the rule's gradient launches depend on both)."""
+    normalized or not (the rule's gradient launches depend on both), and whether autograd
+    records the call (a training forward keeps its states, and may then run split)."""
     asked = []
     rule = chunk.hla2_config
 
     def spy(*args, **kw):
-        asked.append((kw.get("gated"), kw.get("normalize")))
+        asked.append((kw.get("gated"), kw.get("normalize"), kw.get("training")))
         return rule(*args, **kw)
 
     monkeypatch.setattr(chunk, "hla2_config", spy)
     q, k, v = rand_qkv(1, 9, 2, 8, 8, seed=4, positive=True, device=device)
     g = rand_gates(1, 9, 2, seed=5, device=device) if gated else None
     hla_fast.hla2(q, k, v, g=g, gamma=None if gated else 0.9, normalize=normalize, backend="triton")
-    assert asked and set(asked) == {(gated, normalize)}
+    assert asked and set(asked) == {(gated, normalize, False)}
+    asked.clear()
+    hla_fast.hla2(q, k, v.requires_grad_(), g=g, gamma=None if gated else 0.9, normalize=normalize, backend="triton")
+    assert asked and set(asked) == {(gated, normalize, True)}

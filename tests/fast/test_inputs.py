@@ -5,6 +5,7 @@ import pytest
 from .helpers import OPERATORS, rand_qkv, rand_state, rel, torch
 
 import hla_fast
+from hla_fast.ops.common.launch import min_key_block
 
 OPS = pytest.mark.parametrize("op", OPERATORS, ids=lambda o: o.name)
 
@@ -194,6 +195,36 @@ def test_prefetch_only_where_the_operator_has_it(op, device):
                 op.op(q, k, v, backend="triton", config=cfg)
     with pytest.raises(TypeError, match="config.fwd_prefetch"):
         cfg.replace(fwd_prefetch=1)
+
+
+@OPS
+def test_split_forward_only_where_the_operator_has_it(op, device):
+    """config.fwd_output_pass / fwd_row_blocks: HLA2's forward (and HLA3's second stage) as a state
+    walk and a pass over the chunks gives the one walk's outputs and gradients; AHLA refuses them."""
+    # keys twice the narrowest key tile: two row blocks (of 16 on a CPU, of 64 on CUDA)
+    q, k, v = _qkv(T=40, K=2 * min_key_block(torch.device(device)), device=device)
+    cfg = hla_fast.ChunkConfig(fwd_chunk=32, bwd_chunk=32, fwd_block_v=16)   # two chunks
+    split = cfg.replace(fwd_output_pass=True, fwd_row_blocks=2)
+    if op.name == "ahla":
+        with pytest.raises(ValueError, match="config.fwd_output_pass must be False and config.fwd_row_blocks 1 "
+                                             "for ahla"):
+            op.op(q, k, v, backend="triton", config=split)
+    else:
+        def run(c):
+            ins = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+            o, _ = op.op(*ins, gamma=0.9, backend="triton", config=c)
+            o.square().sum().backward()
+            return [o] + [x.grad for x in ins]
+
+        for a, b in zip(run(cfg), run(split)):
+            assert rel(b, a) < 1e-6
+    with pytest.raises(TypeError, match="config.fwd_output_pass"):
+        cfg.replace(fwd_output_pass=1)
+    for bad in (0, 3, True, 2.0):
+        with pytest.raises(ValueError, match="config.fwd_row_blocks must be a power of two >= 1"):
+            cfg.replace(fwd_output_pass=True, fwd_row_blocks=bad)
+    with pytest.raises(ValueError, match="config.fwd_row_blocks must be 1 without fwd_output_pass"):
+        cfg.replace(fwd_row_blocks=2)
 
 
 @OPS

@@ -42,7 +42,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..common.compile import compile_ahead, launch_kernel
-from ..common.config import DEFAULT_CHUNK, ChunkConfig
+from ..common.config import DEFAULT_CHUNK, ChunkConfig, refuse_split_forward
 from ..common.gates import log_gamma, reverse_cumsum
 from ..common.launch import (
     autograd_records, bf16_dots, cdiv, dot_precision, min_key_block, min_value_block, one_wave_segments, plan_pieces,
@@ -214,7 +214,8 @@ def grad_keys_per_block(n_value_blocks: int, BK: int, dtype: torch.dtype) -> boo
 def _check_config(cfg: ChunkConfig, K: int):
     """Refuse a layout the kernels cannot run: segments for keys wider than SEGMENT_MAX_K; the
     layered backward (``bwd_layers``) with backward segments, pieces or loading ahead, which are
-    the coupled walk's."""
+    the coupled walk's; the split forward of HLA2 (``refuse_split_forward``)."""
+    refuse_split_forward(cfg, "ahla")
     if K > SEGMENT_MAX_K and (cfg.fwd_segments != 1 or cfg.bwd_segments != 1):
         raise ValueError(f"ahla runs keys wider than {SEGMENT_MAX_K} (K={K}) in one segment: config.fwd_segments "
                          f"and config.bwd_segments must be 1, got {cfg.fwd_segments} and {cfg.bwd_segments}")

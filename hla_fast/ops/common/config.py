@@ -60,6 +60,15 @@ class ChunkConfig:
         walk split over key and value blocks and a per-chunk kernel, instead of one walk carrying
         both state gradients and one per-chunk kernel. Needs ``bwd_segments``, ``bwd_pieces`` of 1
         and no ``bwd_prefetch``. AHLA; HLA2 and HLA3 take only False.
+    fwd_output_pass: the forward runs in two launches: a walk that only carries the state and
+        stores every chunk's start state, then one program per chunk (and value block) computing
+        the chunk's outputs from it, all chunks at once. The outputs are the one-walk forward's:
+        the stored states are what its dots read. HLA2 (and HLA3's second stage); AHLA takes only
+        False.
+    fwd_row_blocks: with ``fwd_output_pass``, the state walk splits the key rows of S and W over
+        this many programs a head and value block (a power of two; each block at least 16 rows),
+        which never exchange data: row block a of the update reads rows a of the state and columns
+        a of K^T only. 1 without ``fwd_output_pass``.
     """
 
     fwd_chunk: int = 64
@@ -78,6 +87,8 @@ class ChunkConfig:
     fwd_prefetch: bool = False
     bwd_prefetch: bool = False
     bwd_layers: bool = False
+    fwd_output_pass: bool = False
+    fwd_row_blocks: int = 1
 
     def __post_init__(self):
         for name, choices in _CHOICES.items():
@@ -97,13 +108,28 @@ class ChunkConfig:
             raise ValueError(f"config.grad_parts must be a tuple of masks in 1..7, got {parts!r}")
         if sorted(b for m in parts for b in (1, 2, 4) if m & b) != [1, 2, 4]:
             raise ValueError(f"config.grad_parts must cover dq (1), dk (2) and dv (4) once each, got {parts!r}")
-        for name in ("save_states", "bf16_snapshots", "fwd_prefetch", "bwd_prefetch", "bwd_layers"):
+        for name in ("save_states", "bf16_snapshots", "fwd_prefetch", "bwd_prefetch", "bwd_layers", "fwd_output_pass"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"config.{name} must be True or False, got {getattr(self, name)!r}")
+        rb = self.fwd_row_blocks
+        if isinstance(rb, bool) or not isinstance(rb, int) or rb < 1 or rb & (rb - 1):
+            raise ValueError(f"config.fwd_row_blocks must be a power of two >= 1, got {rb!r}")
+        if rb > 1 and not self.fwd_output_pass:
+            raise ValueError(f"config.fwd_row_blocks must be 1 without fwd_output_pass (a walk that computes "
+                             f"outputs carries every key row), got {rb}")
 
     def replace(self, **changes) -> "ChunkConfig":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def refuse_split_forward(cfg: ChunkConfig, op: str) -> None:
+    """Refuse the fields only HLA2's forward takes (``fwd_output_pass``, ``fwd_row_blocks``) for an
+    operator whose forward walk computes its outputs itself."""
+    if cfg.fwd_output_pass or cfg.fwd_row_blocks != 1:
+        raise ValueError(f"config.fwd_output_pass must be False and config.fwd_row_blocks 1 for {op} (its forward "
+                         f"walk computes the outputs; hla2's may not), got {cfg.fwd_output_pass} and "
+                         f"{cfg.fwd_row_blocks}")
 
 
 def refuse_ahla_fields(cfg: ChunkConfig, op: str) -> None:

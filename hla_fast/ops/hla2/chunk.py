@@ -3,7 +3,10 @@
 Forward: one program per (value block, segment, head) walks its segment's chunks
 (``hla2_fwd_kernel``). With more than one segment a first launch computes every segment's summary
 from a zero state (``hla2_fwd_summary_kernel``) and a small kernel folds them into each segment's
-start state (``hla2_fwd_fold_kernel``), so that all segments then run at once.
+start state (``hla2_fwd_fold_kernel``), so that all segments then run at once. Split
+(``config.fwd_output_pass``): the walk only carries the state and stores every chunk's start
+state, its key rows cut over ``config.fwd_row_blocks`` programs, and ``hla2_fwd_output_kernel``
+computes every chunk's outputs from them at once.
 
 Backward: the chunk-start states (kept by the forward, or recomputed by the forward walk), a walk
 from the last chunk to the first carrying only the state gradients (``hla2_bwd_state_kernel``,
@@ -43,13 +46,13 @@ from ..common.compile import compile_ahead, launch_kernel
 from ..common.config import ChunkConfig, chunk_or_default, refuse_ahla_fields
 from ..common.gates import log_gamma, reverse_cumsum
 from ..common.launch import (
-    bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments, plan_pieces,
+    autograd_records, bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments, plan_pieces,
     pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
 )
 from ..common.normalize import normalized_output_grad
 from .chunk_kernels import (
     hla2_bwd_fold_kernel, hla2_bwd_grad_kernel, hla2_bwd_ones_kernel, hla2_bwd_state_kernel, hla2_fwd_fold_kernel,
-    hla2_fwd_kernel, hla2_fwd_summary_kernel,
+    hla2_fwd_kernel, hla2_fwd_output_kernel, hla2_fwd_summary_kernel,
 )
 
 # widest feature block one program holds (a K x K and a K x V fp32 state on chip)
@@ -62,6 +65,10 @@ MIN_SEGMENT_CHUNKS = 4
 # a sequence of at most SHORT_CHUNKS chunks (heads up to 64 wide) walks in one segment and computes
 # its gradients in one launch: 3 launches a training call instead of 8 (hla2_config)
 SHORT_CHUNKS = 32
+# a bf16 training forward of 128-wide key tiles over at least SPLIT_MIN_CHUNKS chunks runs split
+# (``fwd_output_pass``): its state walk in SPLIT_ROW_BLOCKS row blocks, then every chunk's outputs
+SPLIT_MIN_CHUNKS = 256
+SPLIT_ROW_BLOCKS = 2
 
 
 def bwd_value_width(K: int) -> int:
@@ -74,10 +81,12 @@ def bwd_value_width(K: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: torch.device,
-                chunk_size: int | None = None, gated: bool = False, normalize: bool = False) -> ChunkConfig:
+                chunk_size: int | None = None, gated: bool = False, normalize: bool = False,
+                training: bool = False) -> ChunkConfig:
     """The default layout for one call, by the measurements in ``benchmarks/results/``
     (summarized, with the numbers, in hla_fast/README.md, "The configuration rule"); a
-    ``chunk_size`` of None stands for DEFAULT_CHUNK (64):
+    ``chunk_size`` of None stands for DEFAULT_CHUNK (64); ``training``: autograd records the call
+    (its forward keeps the chunk states for the backward):
 
     * heads up to 64 wide: chunks of ``chunk_size`` forward (at most FP32_MAX_CHUNK for fp32 and
       fp16 inputs, whose tiles are fp32) and at most 64 backward; wider heads:
@@ -114,7 +123,15 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
       chunks walk it in BWD_PIECES pieces (``common.launch.rule_pieces``): the chunk-end state
       gradients are kept for a quarter of the sequence at a time instead of all of it, which at
       K = V = 128 is the difference between the training peak being 1.50x fla's and 1.13x at the
-      same speed (``hla2_h200_pieces.md``, ``hla2_h200_ab_pieces.json``).
+      same speed (``hla2_h200_pieces.md``, ``hla2_h200_ab_pieces.json``);
+    * a bf16 training forward of key tiles 128 wide over at least SPLIT_MIN_CHUNKS chunks, which
+      stores its chunk states anyway: a state walk in SPLIT_ROW_BLOCKS row blocks of 4 warps, then
+      the outputs of every chunk at once (``fwd_output_pass``): forward + backward at K = V = 128
+      24.0 against 27.9 ms at T = 32k, 26.5 against 30.8 with log-gates, 6.15 against 7.19 at
+      T = 8k (``hla2_h200_split_forward_train_k128{,_gates,_8k}.json``). Without states to keep
+      (inference) the split forward was slower (6.34 against 6.04 ms), and at K = V = 64 it did not
+      pay (5.14 against 5.19 ms forward + backward, 1.45 against 1.13 forward)
+      (``hla2_h200_split_forward_k128.json``, ``hla2_h200_split_forward_k64.json``).
     Off CUDA (the interpreter) every walk is one segment. K is the width of one program's key
     tile (a feature block of a wider head). The result is immutable, so it is cached per shape."""
     chunk_size = chunk_or_default(chunk_size)
@@ -141,9 +158,14 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
         fwd_seg = bwd_seg = 1
         if dtype == torch.bfloat16:
             grad_parts = (7,)   # fp32 tiles (fp32 and fp16 inputs) would need 320 KB of shared memory
+    split = (training and keep and dtype == torch.bfloat16 and pow2_block(K) > 64 and fwd_seg == 1
+             and n_fwd >= SPLIT_MIN_CHUNKS)
+    if split:   # the states are stored anyway: carry them in row blocks, then every chunk's outputs at once
+        fwd_warps = 4
     return ChunkConfig(fwd_chunk=fwd_chunk, bwd_chunk=bwd_chunk, fwd_segments=fwd_seg, bwd_segments=bwd_seg,
                        fwd_warps=fwd_warps, bwd_warps=bwd_warps, fwd_block_v=block_v, grad_parts=grad_parts,
-                       save_states=keep, bf16_snapshots=True, bwd_pieces=rule_pieces(wide, bwd_seg, n_bwd))
+                       save_states=keep, bf16_snapshots=True, bwd_pieces=rule_pieces(wide, bwd_seg, n_bwd),
+                       fwd_output_pass=split, fwd_row_blocks=SPLIT_ROW_BLOCKS if split else 1)
 
 
 def fold_fits(BK: int, dtype: torch.dtype) -> bool:
@@ -190,7 +212,7 @@ def _check_rate(rate, normalize):
 
 def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v, q2=None, k2=None, stages=1,
                outputs=True, normalize=False, eps=0.0, store_final=True, snapshots=None, rate=1,
-               launch=launch_kernel):
+               output_pass=False, row_blocks=1, launch=launch_kernel):
     """Run the forward walk (after the segment summaries and fold when ``segments > 1``).
 
     q, k: [B, T, H, K]; q2, k2: [B, T, H, K2] or None (plain HLA2); v: [B, T, H, V]; g: [B, T, H]
@@ -199,6 +221,11 @@ def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v
     snapshots: None, or the dtype to store every chunk-start state (S, W) in (z, when normalizing,
     in fp32). rate: the inner index's rate c, the weight being exp((1 + c) b_t - b_i - c b_j)
     (1: HLA2; 2: the second-order stage of ``hla3``; ``chunk_kernels._inner_factors``).
+    output_pass: with ``outputs``, the walk only carries the state and stores every chunk's start
+    state (in ``snapshots``' dtype, or, when none are asked for, in a buffer of the dots' operand
+    dtype freed on return), and ``hla2_fwd_output_kernel`` computes every chunk's outputs from
+    them at once. row_blocks: the key rows of S and W are split over this many programs of a
+    state walk (one without outputs, or with ``output_pass``).
     Returns (o [B, T, H, V] or None, den [B, T, H] fp32 or None, S_T, W_T, z_T or None,
     (cs_s [B*H, NT, K, K2], cs_w [B*H, NT, K, V], cs_z [B*H, NT, K] or None) or None)."""
     B, T, H, K = q.shape
@@ -236,17 +263,43 @@ def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v
     den = torch.empty(B, T, H, device=dev, dtype=f32) if (outputs and normalize) else None
     ht = (torch.empty(B, H, K, K2, device=dev, dtype=f32), torch.empty(B, H, K, V, device=dev, dtype=f32),
           torch.empty(B, H, K, device=dev, dtype=f32) if normalize else None) if store_final else (None, None, None)
+    split = outputs and output_pass
+    BR = _row_block(BK, row_blocks, split or not outputs, dev)
+    held = snapshots if snapshots is not None else ((torch.bfloat16 if bf16_dots(q.dtype) else f32) if split else None)
     cs = None
-    if snapshots is not None:
-        cs = (torch.empty(BH, NT, K, K2, device=dev, dtype=snapshots),
-              torch.empty(BH, NT, K, V, device=dev, dtype=snapshots),
+    if held is not None:
+        cs = (torch.empty(BH, NT, K, K2, device=dev, dtype=held),
+              torch.empty(BH, NT, K, V, device=dev, dtype=held),
               torch.empty(BH, NT, K, device=dev, dtype=f32) if normalize else None)
-    launch(hla2_fwd_kernel, (NV, nseg, BH),
-        q=q, k=k, q2=q2, k2=k2, v=v, g=g, o=o, den=den,
+    walk_out = (None, None) if split else (o, den)
+    launch(hla2_fwd_kernel, (NV * (BK // BR), nseg, BH),
+        q=q, k=k, q2=q2, k2=k2, v=v, g=g, o=walk_out[0], den=walk_out[1],
         h0_s=h0[0], h0_w=h0[1], h0_z=h0[2], ht_s=ht[0], ht_w=ht[1], ht_z=ht[2],
         cs_s=None if cs is None else cs[0], cs_w=None if cs is None else cs[1], cs_z=None if cs is None else cs[2],
-        log_gamma=lg, eps=eps, T=T, NS=NS, **kw)
-    return o, den, ht[0], ht[1], ht[2], cs
+        log_gamma=lg, eps=eps, T=T, NS=NS, BR=BR, **kw)
+    if split:
+        # -- every chunk's outputs from its start state, all chunks at once ----------------------
+        launch(hla2_fwd_output_kernel, (NV, NT, BH),
+            q=q, k=k, q2=q2, k2=k2, v=v, g=g, o=o, den=den, cs_s=cs[0], cs_w=cs[1], cs_z=cs[2],
+            log_gamma=lg, eps=eps, T=T, **kw)
+    return o, den, ht[0], ht[1], ht[2], cs if snapshots is not None else None
+
+
+def _row_block(BK: int, row_blocks: int, state_walk: bool, device: torch.device) -> int:
+    """Key rows of S and W one walk program carries: BK / row_blocks. Only a state walk (no
+    outputs, or outputs in their own pass) splits them, into blocks no narrower than the device's
+    narrowest key tile (``min_key_block``: 64 on CUDA, where narrower tiles have crashed, 16, a
+    dot's smallest tile, under the interpreter)."""
+    if row_blocks == 1:
+        return BK
+    if not state_walk:
+        raise ValueError(f"config.fwd_row_blocks={row_blocks} needs config.fwd_output_pass (a walk that computes "
+                         f"outputs carries every key row)")
+    least = min_key_block(device)
+    if BK // row_blocks < least:
+        raise ValueError(f"config.fwd_row_blocks={row_blocks} cuts a key tile of {BK} into blocks of "
+                         f"{BK // row_blocks} rows; blocks need at least {least} on {device.type}")
+    return BK // row_blocks
 
 
 def _value_split(fn, v, do, w0, dht_w, width):
@@ -410,7 +463,8 @@ class HLA2ChunkFunction(torch.autograd.Function):
         o, den, sT, wT, zT, cs = fwd_launch(
             q, k, v, g, gamma, s0, w0, z0, chunk=cfg.fwd_chunk, segments=cfg.fwd_segments, warps=cfg.fwd_warps,
             block_v=cfg.fwd_block_v, q2=q2, k2=k2, stages=cfg.fwd_stages, normalize=normalize, eps=eps,
-            snapshots=snap, rate=rate, launch=launch)
+            snapshots=snap, rate=rate, output_pass=cfg.fwd_output_pass, row_blocks=cfg.fwd_row_blocks,
+            launch=launch)
         cs = (None, None, None) if cs is None else cs
         # the final state is read back only for the log-gates' gradient (its own factor e^{b_T})
         final = (sT, wT, zT) if g is not None and ctx.needs_input_grad[5] else (None, None, None)
@@ -483,8 +537,9 @@ def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chu
         if config is not None:
             return config
         return hla2_config(B, T, H, width, v_width, q.dtype, q.device, chunk_size, gated=g is not None,
-                           normalize=normalize)
+                           normalize=normalize, training=training)
 
+    training = autograd_records(q, k, v, g, s0, w0, z0)
     blocks = _feature_blocks(K)
     if len(blocks) == 1:
         return HLA2ChunkFunction.apply(q, k, None, None, v, g, s0, w0, z0, gamma, normalize, eps, cfg_for(K, V),

@@ -82,6 +82,19 @@ def _chunk_output(b_q, b_kt, b_q2t, b_ym, b_v, S, W, z, G, g1, g2,
 
 
 @triton.jit
+def _store_output(o, den, off_v, off_g, t, mt, rv, mv, b_o, b_den, eps, first_block,
+                  H: tl.constexpr, V: tl.constexpr, NORM: tl.constexpr):
+    """Store a chunk's outputs [BT, BV] in o's dtype, divided by (den + eps) when NORM; den [BT]
+    (fp32) by the first value block."""
+    if NORM:
+        b_o = b_o / (b_den + eps)[:, None]
+        if first_block:
+            tl.store(den + off_g + t * H, b_den, mask=mt)
+    tl.store(o + off_v + t[:, None] * (H * V) + rv[None, :], b_o.to(o.dtype.element_ty),
+             mask=mt[:, None] & mv[None, :])
+
+
+@triton.jit
 def _chunk_carry(b_kt, b_k2, b_q2t, b_ym, b_v, S, W, z, gl, gC, glv, gCw,
                  NORM: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr):
     """The state at the next chunk's start from (S0, W0, z0) at this one's.
@@ -111,14 +124,15 @@ def _inner_factors(g1, gl, gC, RATE: tl.constexpr):
 
 
 @triton.jit
-def _carry_tiles(k, q2, k2, v, g, off_k, off_k2, off_v, off_g, log_gamma, t, mt, rk, mk, mk2, rv, mv, upper,
+def _carry_tiles(k, q2, k2, v, g, off_k, off_k2, off_v, off_g, log_gamma, t, mt, rr, mr, rk, mk2, rv, mv, upper,
                  H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                  HAS_G: tl.constexpr, HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
                  RATE: tl.constexpr):
-    """What carrying the state across one chunk reads: K^T and Q2^T [BK, BT], K2 [BT, BK], V [BT, BV],
-    the decay factors (G, g1, g2, gl, gC, bL, and glv, gCw of ``_inner_factors``), and
-    Ym = (K2 Q2^T) o U [BT, BT] (its own dot, keeping i <= j)."""
-    b_kt = load_cols(k + off_k, t, mt, rk, mk, H * K, IS_BF16)
+    """What carrying the state across one chunk reads: K^T [BR, BT] (the key features rr the program
+    carries rows of S and W for: all of them, rk, except in a split state walk), Q2^T [BK, BT],
+    K2 [BT, BK], V [BT, BV], the decay factors (G, g1, g2, gl, gC, bL, and glv, gCw of
+    ``_inner_factors``), and Ym = (K2 Q2^T) o U [BT, BT] (its own dot, keeping i <= j)."""
+    b_kt = load_cols(k + off_k, t, mt, rr, mr, H * K, IS_BF16)
     b_q2t = load_cols(q2 + off_k2, t, mt, rk, mk2, H * K2, IS_BF16)
     b_k2 = load_rows(k2 + off_k2, t, mt, rk, mk2, H * K2, IS_BF16)
     b_v = load_rows(v + off_v, t, mt, rv, mv, H * V, IS_BF16)
@@ -166,33 +180,42 @@ def hla2_fwd_kernel(
                          #      (z: when normalizing); or None
     log_gamma, eps, T, NS,  # log(gamma) (without g), normalizer eps, sequence length, chunks per segment
     H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr,
     HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr, RATE: tl.constexpr,
     HAS_G: tl.constexpr, HAS_INIT: tl.constexpr, HAS_O: tl.constexpr, SAVE_STATES: tl.constexpr,
     STORE_FINAL: tl.constexpr, NORM: tl.constexpr,
 ):
-    """One program per (value block, segment, batch*head) walks its segment's chunks in order,
-    keeping S, its block of W (and z) in fp32 registers: outputs (HAS_O, normalized when NORM),
-    chunk-start snapshots (SAVE_STATES) and the final state (STORE_FINAL, last segment). NORM:
-    carry z (the forward of a normalized call, or the backward's recomputing walk, which then
-    keeps z's snapshots)."""
+    """One program per (key-row block and value block, segment, batch*head) walks its segment's
+    chunks in order, keeping its rows of S, of its block of W (and of z) in fp32 registers: outputs
+    (HAS_O, normalized when NORM), chunk-start snapshots (SAVE_STATES) and the final state
+    (STORE_FINAL, last segment). NORM: carry z (the forward of a normalized call, or the backward's
+    recomputing walk, which then keeps z's snapshots).
+
+    BR: the key rows of S, W and z one program carries. BR = BK carries them all, as the outputs
+    need (o_t = q_t^T W0 + .. sums over every row). A state walk (no HAS_O) may split them into
+    BK / BR blocks, one program each: row block a of every update reads only rows a of S, W and z
+    and columns a of K^T (``_chunk_carry``), so the blocks never meet."""
+    tl.static_assert(BR == BK or not HAS_O, "a walk that computes outputs carries every key row")
     # -- which piece of work this program owns ---------------------------------------------
-    i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_p, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_v, i_r = i_p % tl.cdiv(V, BV), i_p // tl.cdiv(V, BV)         # value block, key-row block
     NSEG = tl.num_programs(1)
     NT = tl.cdiv(T, BT)
     off_k, off_k2, off_v, off_g = _head_offsets(i_bh, T, H, K, K2, V)
     rt = tl.arange(0, BT)                # rows of a chunk
     rk, rv, mk, mk2, mv = _feature_ranges(i_v, K, K2, V, BK, BV)   # key / this block's value features
+    rr = i_r * BR + tl.arange(0, BR)     # the key rows of S and W this program carries
+    mr = rr < K
     upper = rt[:, None] <= rt[None, :]   # U: column >= row
     lo = i_n * NS
     hi = tl.minimum(lo + NS, NT)
 
     # -- the state at the segment's start -------------------------------------------------
     i_sg = i_bh.to(tl.int64) * NSEG + i_n
-    S = mat_or_zeros(h0_s, i_sg * K * K2, rk, mk, rk, mk2, K2, BK, BK, HAS_INIT)   # [BK, BK]
-    W = mat_or_zeros(h0_w, i_sg * K * V, rk, mk, rv, mv, V, BK, BV, HAS_INIT)      # [BK, BV]
+    S = mat_or_zeros(h0_s, i_sg * K * K2, rr, mr, rk, mk2, K2, BR, BK, HAS_INIT)   # [BR, BK]
+    W = mat_or_zeros(h0_w, i_sg * K * V, rr, mr, rv, mv, V, BR, BV, HAS_INIT)      # [BR, BV]
     if NORM:
-        z = vec_or_zeros(h0_z, i_sg * K, rk, mk, BK, HAS_INIT)                     # [BK]
+        z = vec_or_zeros(h0_z, i_sg * K, rr, mr, BR, HAS_INIT)                     # [BR]
     else:
         z = 0.0
 
@@ -201,36 +224,77 @@ def hla2_fwd_kernel(
         mt = t < T
         # -- the chunk's tiles, decay factors and Ym ----------------------------------------
         b_kt, b_q2t, b_k2, b_v, b_ym, G, g1, g2, gl, gC, bL, glv, gCw = _carry_tiles(
-            k, q2, k2, v, g, off_k, off_k2, off_v, off_g, log_gamma, t, mt, rk, mk, mk2, rv, mv, upper,
+            k, q2, k2, v, g, off_k, off_k2, off_v, off_g, log_gamma, t, mt, rr, mr, rk, mk2, rv, mv, upper,
             H, K, K2, V, BT, HAS_G, HAS_DECAY, IS_BF16, PREC, RATE)
 
         if SAVE_STATES:
             # the state at this chunk's start (S once, by the first value block)
             if i_v == 0:
-                store_mat(cs_s + (i_bh.to(tl.int64) * NT + i_c) * K * K2, S, rk, mk, rk, mk2, K2)
+                store_mat(cs_s + (i_bh.to(tl.int64) * NT + i_c) * K * K2, S, rr, mr, rk, mk2, K2)
                 if NORM:
-                    tl.store(cs_z + (i_bh.to(tl.int64) * NT + i_c) * K + rk, z, mask=mk)
-            store_mat(cs_w + (i_bh.to(tl.int64) * NT + i_c) * K * V, W, rk, mk, rv, mv, V)
+                    tl.store(cs_z + (i_bh.to(tl.int64) * NT + i_c) * K + rr, z, mask=mr)
+            store_mat(cs_w + (i_bh.to(tl.int64) * NT + i_c) * K * V, W, rr, mr, rv, mv, V)
         if HAS_O:
             b_q = load_rows(q + off_k, t, mt, rk, mk, H * K, IS_BF16)               # [BT, BK]
             b_o, b_den = _chunk_output(b_q, b_kt, b_q2t, b_ym, b_v, S, W, z, G, g1, g2,
                                        NORM, IS_BF16, PREC, RATE)
-            if NORM:
-                b_o = b_o / (b_den + eps)[:, None]
-                if i_v == 0:
-                    tl.store(den + off_g + t * H, b_den, mask=mt)
-            tl.store(o + off_v + t[:, None] * (H * V) + rv[None, :], b_o.to(o.dtype.element_ty),
-                     mask=mt[:, None] & mv[None, :])
+            _store_output(o, den, off_v, off_g, t, mt, rv, mv, b_o, b_den, eps, i_v == 0, H, V, NORM)
         # -- carry the state to the next chunk's start ------------------------------------
         S, W, z = _chunk_carry(b_kt, b_k2, b_q2t, b_ym, b_v, S, W, z, gl, gC, glv, gCw, NORM, IS_BF16, PREC)
 
     if STORE_FINAL:
         if i_n == NSEG - 1:
             if i_v == 0:
-                store_mat(ht_s + i_bh * K * K2, S, rk, mk, rk, mk2, K2)
+                store_mat(ht_s + i_bh * K * K2, S, rr, mr, rk, mk2, K2)
                 if NORM:
-                    tl.store(ht_z + i_bh * K + rk, z, mask=mk)
-            store_mat(ht_w + i_bh * K * V, W, rk, mk, rv, mv, V)
+                    tl.store(ht_z + i_bh * K + rr, z, mask=mr)
+            store_mat(ht_w + i_bh * K * V, W, rr, mr, rv, mv, V)
+
+
+@triton.heuristics({
+    "HAS_G": lambda a: a["g"] is not None,
+    "NORM": lambda a: a["den"] is not None,
+})
+@triton.jit
+def hla2_fwd_output_kernel(
+    q, k, q2, k2, v, g,  # q, k: [B, T, H, K]; q2, k2: [B, T, H, K2]; v: [B, T, H, V]; g: [B, T, H] or None
+    o, den,              # out: o [B, T, H, V]; den [B, T, H] fp32 (normalize) or None
+    cs_s, cs_w, cs_z,    # every chunk's start state (a state walk's snapshots): [B*H, NT, K, K2],
+                         # [B*H, NT, K, V], fp32 [B*H, NT, K] (NORM) or None
+    log_gamma, eps, T,   # log(gamma) (without g), normalizer eps, sequence length
+    H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr, RATE: tl.constexpr,
+    HAS_G: tl.constexpr, NORM: tl.constexpr,
+):
+    """The outputs of a split forward: one program per (value block, chunk, batch*head) computes
+    its chunk's O (and den) from the chunk-start state a state walk stored, as the walk would
+    have (``_chunk_output``), so that every chunk runs at once instead of one after the other.
+    The snapshots hold what the walk's dots read: for bf16 dots the bf16 rounding of the fp32
+    state, which is what ``dot`` casts the walk's registers to, so the outputs are the walk's."""
+    i_v, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NT = tl.cdiv(T, BT)
+    off_k, off_k2, off_v, off_g = _head_offsets(i_bh, T, H, K, K2, V)
+    rt = tl.arange(0, BT)
+    rk, rv, mk, mk2, mv = _feature_ranges(i_v, K, K2, V, BK, BV)
+    upper = rt[:, None] <= rt[None, :]
+    t = i_c * BT + rt
+    mt = t < T
+    # -- the chunk's tiles and decay factors (those of the carry go unused) ------------------
+    b_kt, b_q2t, b_k2, b_v, b_ym, G, g1, g2, gl, gC, bL, glv, gCw = _carry_tiles(
+        k, q2, k2, v, g, off_k, off_k2, off_v, off_g, log_gamma, t, mt, rk, mk, rk, mk2, rv, mv, upper,
+        H, K, K2, V, BT, HAS_G, HAS_DECAY, IS_BF16, PREC, RATE)
+    b_q = load_rows(q + off_k, t, mt, rk, mk, H * K, IS_BF16)                       # [BT, BK]
+    # -- the state at the chunk's start -------------------------------------------------------
+    i_cs = i_bh.to(tl.int64) * NT + i_c
+    S = load_mat(cs_s + i_cs * K * K2, rk, mk, rk, mk2, K2)                           # [BK, BK]
+    W = load_mat(cs_w + i_cs * K * V, rk, mk, rv, mv, V)                              # [BK, BV]
+    if NORM:
+        z = load_vec(cs_z + i_cs * K, rk, mk)                                         # [BK]
+    else:
+        z = 0.0
+    b_o, b_den = _chunk_output(b_q, b_kt, b_q2t, b_ym, b_v, S, W, z, G, g1, g2, NORM, IS_BF16, PREC, RATE)
+    _store_output(o, den, off_v, off_g, t, mt, rv, mv, b_o, b_den, eps, i_v == 0, H, V, NORM)
 
 
 @triton.heuristics({
@@ -273,7 +337,7 @@ def hla2_fwd_summary_kernel(
         t = i_c * BT + rt
         mt = t < T
         b_kt, b_q2t, b_k2, b_v, b_ym, G, g1, g2, gl, gC, bL, glv, gCw = _carry_tiles(
-            k, q2, k2, v, g, off_k, off_k2, off_v, off_g, log_gamma, t, mt, rk, mk, mk2, rv, mv, upper,
+            k, q2, k2, v, g, off_k, off_k2, off_v, off_g, log_gamma, t, mt, rk, mk, rk, mk2, rv, mv, upper,
             H, K, K2, V, BT, HAS_G, HAS_DECAY, IS_BF16, PREC, RATE)
         S, W, z = _chunk_carry(b_kt, b_k2, b_q2t, b_ym, b_v, S, W, z, gl, gC, glv, gCw, NORM, IS_BF16, PREC)
         gCv = ipow(gC, RATE)

@@ -115,7 +115,8 @@ class HLA3StagedFunction(torch.autograd.Function):
         o, _, sT, fT, _, cs = hla2_chunk.fwd_launch(
             q, k, r, g, gamma, s0, f0, None, chunk=cfg2.fwd_chunk, segments=cfg2.fwd_segments, warps=cfg2.fwd_warps,
             block_v=cfg2.fwd_block_v, stages=cfg2.fwd_stages,
-            snapshots=snapshot_dtype(cfg2, q.dtype) if keep else None, rate=2, launch=launch)
+            snapshots=snapshot_dtype(cfg2, q.dtype) if keep else None, rate=2, output_pass=cfg2.fwd_output_pass,
+            row_blocks=cfg2.fwd_row_blocks, launch=launch)
         cs_s, cs_f = (None, None) if cs is None else cs[:2]
         # the final state is read back only for the log-gates' gradient (its own factor e^{b_T})
         final = (sT, pT, fT) if g is not None and ctx.needs_input_grad[3] else (None, None, None)

@@ -1,0 +1,110 @@
+"""Time HLA2's layouts against fla's first-order chunk_linear_attn, each layout in its own process.
+
+The layouts are changes to the configuration rule's ``ChunkConfig`` (``--layouts``, a JSON list of
+objects; ``{}`` is the rule itself), e.g. the split forward (``fwd_output_pass``, ``fwd_row_blocks``):
+a state walk storing every chunk's start state, then one program per chunk computing its outputs.
+Each layout runs in a subprocess, so that a layout that stops the GPU (an illegal memory access)
+costs only its own row. The rule is asked as the call asks it (training or not, gated or not), then
+changed. bf16, B=4, H=16, gamma=0.999 (``--gates``: log-gates that require grad), K=V in ``--dims``,
+T = ``--T``; medians of
+triton.testing.do_bench (ms) of the whole call, forward under no_grad and forward + backward, the
+peak memory a forward + backward allocates beyond the inputs, and the relative difference of the
+layout's outputs and gradients to the rule's (same inputs, same process). On a CUDA machine, from
+the repository root:
+
+    python benchmarks/split_forward.py --out benchmarks/results/hla2_h200_split_forward.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import subprocess
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))   # scripts beside this one
+from config_arg import config_changes  # noqa: E402
+
+LAYOUTS = ('[{}, {"fwd_output_pass": true}, {"fwd_output_pass": true, "fwd_row_blocks": 2}, '
+           '{"fwd_output_pass": true, "fwd_row_blocks": 2, "fwd_warps": 4}, '
+           '{"fwd_output_pass": true, "fwd_segments": 1}]')
+
+
+def one(D: int, T: int, layout: str, op: str, gates: bool) -> dict:
+    """One layout's row (run in its own process)."""
+    import torch
+    from ab_revision import rel, time_call
+
+    import hla_fast
+    gen = torch.Generator(device="cuda").manual_seed(D)
+    q, k, v = (0.3 * torch.randn(4, T, 16, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    do = torch.randn_like(v)
+    g = -0.001 * torch.rand(4, T, 16, device="cuda", generator=gen) if gates else None
+    if layout == "fla":
+        from fla.ops.linear_attn import chunk_linear_attn
+
+        def fla_op(q, k, v, normalize=False, gamma=None, g=None):
+            return chunk_linear_attn(q, k, v, normalize=False)
+
+        f, fb, mb, _ = time_call(fla_op, q, k, v, do)
+        return {"K": D, "T": T, "layout": "fla chunk_linear_attn", "fwd_ms": f, "fwdbwd_ms": fb,
+                "fwdbwd_peak_extra_mb": mb}
+    fn = getattr(hla_fast, op)
+    rule = getattr(hla_fast, f"{op}_config")
+    changes = config_changes(layout)
+
+    def cfg(training):   # the rule as the call asks it (hla2's tells a training call from an inference one)
+        extra = dict(gated=gates, training=training) if op == "hla2" else dict(gated=gates)
+        return rule(*q.shape, v.shape[-1], q.dtype, q.device, **extra).replace(**changes)
+
+    _, _, _, ref = time_call(fn, q, k, v, do, g=g)   # the rule's outputs and gradients (not timed)
+    f, fb, mb, out = time_call(fn, q, k, v, do, g=g, config=cfg)
+    return {"K": D, "T": T, "gates": gates, "layout": changes, "config": repr(cfg(True)), "fwd_ms": f,
+            "fwdbwd_ms": fb, "fwdbwd_peak_extra_mb": mb,
+            "rel_diff_to_rule": {n: rel(a, b) for n, a, b in zip(("o", "dq", "dk", "dv", "dg"), out, ref)}}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="JSON file for the results")
+    ap.add_argument("--op", default="hla2", choices=("hla2", "hla3"))
+    ap.add_argument("--dims", default="64,128", help="comma list of K=V head sizes")
+    ap.add_argument("--T", type=int, default=32768)
+    ap.add_argument("--layouts", default=LAYOUTS, help="JSON list of ChunkConfig changes; {} is the rule")
+    ap.add_argument("--no-fla", action="store_true", help="leave out fla's rows")
+    ap.add_argument("--gates", action="store_true", help="log-gates g (that require grad) instead of gamma")
+    ap.add_argument("--timeout", type=float, default=240.0, help="seconds per layout's process")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)   # internal: one layout, as JSON
+    args = ap.parse_args()
+    if args.one is not None:
+        D, layout = json.loads(args.one)
+        print(json.dumps(one(D, args.T, layout, args.op, args.gates)))
+        return
+    layouts = [json.dumps(x) for x in json.loads(args.layouts)]
+    rows = []
+    for D in (int(x) for x in args.dims.split(",")):
+        for layout in ([] if args.no_fla else ["fla"]) + layouts:
+            cmd = [sys.executable, __file__, "--op", args.op, "--T", str(args.T), "--one", json.dumps([D, layout])]
+            cmd += ["--gates"] if args.gates else []
+            try:
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+                lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+                row = json.loads(lines[-1]) if p.returncode == 0 and lines else {
+                    "K": D, "layout": layout, "failed": f"exit {p.returncode}: {p.stderr.strip()[-600:]}"}
+            except subprocess.TimeoutExpired:
+                row = {"K": D, "layout": layout, "failed": f"timed out after {args.timeout} s"}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    import torch
+    import triton
+    res = {"device": torch.cuda.get_device_name(0), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"), "versions": {"torch": torch.__version__, "triton": triton.__version__}, "op": args.op,
+        "shape": {"B": 4, "T": args.T, "H": 16, "dtype": "bfloat16", "gamma": None if args.gates else 0.999},
+        "gates": args.gates, "rows": rows}
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
