@@ -82,6 +82,18 @@ def _chunk_output(b_q, b_kt, b_q2t, b_ym, b_v, S, W, z, G, g1, g2,
 
 
 @triton.jit
+def _store_state(s_base, w_base, z, z_off, S, W, b_z, ri, mi, rk, mk2, rv, mv, first_block,
+                 K2: tl.constexpr, V: tl.constexpr, NORM: tl.constexpr):
+    """Store rows ri of a state: S [BR, BK] at s_base and, when NORM, z [BR] at z + z_off by the
+    first value block (they have no value columns); W [BR, BV] at w_base by every block."""
+    if first_block:
+        store_mat(s_base, S, ri, mi, rk, mk2, K2)
+        if NORM:
+            tl.store(z + z_off + ri, b_z, mask=mi)
+    store_mat(w_base, W, ri, mi, rv, mv, V)
+
+
+@triton.jit
 def _store_output(o, den, off_v, off_g, t, mt, rv, mv, b_o, b_den, eps, first_block,
                   H: tl.constexpr, V: tl.constexpr, NORM: tl.constexpr):
     """Store a chunk's outputs [BT, BV] in o's dtype, divided by (den + eps) when NORM; den [BT]
@@ -229,11 +241,9 @@ def hla2_fwd_kernel(
 
         if SAVE_STATES:
             # the state at this chunk's start (S once, by the first value block)
-            if i_v == 0:
-                store_mat(cs_s + (i_bh.to(tl.int64) * NT + i_c) * K * K2, S, rr, mr, rk, mk2, K2)
-                if NORM:
-                    tl.store(cs_z + (i_bh.to(tl.int64) * NT + i_c) * K + rr, z, mask=mr)
-            store_mat(cs_w + (i_bh.to(tl.int64) * NT + i_c) * K * V, W, rr, mr, rv, mv, V)
+            i_cs = i_bh.to(tl.int64) * NT + i_c
+            _store_state(cs_s + i_cs * K * K2, cs_w + i_cs * K * V, cs_z, i_cs * K, S, W, z, rr, mr, rk, mk2, rv, mv,
+                         i_v == 0, K2, V, NORM)
         if HAS_O:
             b_q = load_rows(q + off_k, t, mt, rk, mk, H * K, IS_BF16)               # [BT, BK]
             b_o, b_den = _chunk_output(b_q, b_kt, b_q2t, b_ym, b_v, S, W, z, G, g1, g2,
@@ -244,11 +254,8 @@ def hla2_fwd_kernel(
 
     if STORE_FINAL:
         if i_n == NSEG - 1:
-            if i_v == 0:
-                store_mat(ht_s + i_bh * K * K2, S, rr, mr, rk, mk2, K2)
-                if NORM:
-                    tl.store(ht_z + i_bh * K + rr, z, mask=mr)
-            store_mat(ht_w + i_bh * K * V, W, rr, mr, rv, mv, V)
+            _store_state(ht_s + i_bh * K * K2, ht_w + i_bh * K * V, ht_z, i_bh * K, S, W, z, rr, mr, rk, mk2, rv, mv,
+                         i_v == 0, K2, V, NORM)
 
 
 @triton.heuristics({
@@ -346,13 +353,12 @@ def hla2_fwd_summary_kernel(
             Cz = Cz * gCv + tl.sum(b_q2t.to(tl.float32) * glv[None, :], axis=1)   # + Q2^T glv
         log_rho += bL
     i_sg = i_bh.to(tl.int64) * NSEG + i_n
+    _store_state(sum_s + i_sg * K * K2, sum_w + i_sg * K * V, sum_z, i_sg * K, S, W, z, rk, mk, rk, mk2, rv, mv,
+                 i_v == 0, K2, V, NORM)
     if i_v == 0:
-        store_mat(sum_s + i_sg * K * K2, S, rk, mk, rk, mk2, K2)
         tl.store(sum_lr + i_sg, log_rho)
         if NORM:
-            tl.store(sum_z + i_sg * K + rk, z, mask=mk)
             tl.store(sum_cz + i_sg * K2 + rk, Cz, mask=mk2)
-    store_mat(sum_w + i_sg * K * V, W, rk, mk, rv, mv, V)
     store_mat(sum_c + i_sg * K2 * V, C, rk, mk2, rv, mv, V)
 
 
