@@ -46,8 +46,8 @@ from ..common.compile import compile_ahead, launch_kernel
 from ..common.config import ChunkConfig, chunk_or_default, refuse_ahla_fields
 from ..common.gates import log_gamma, reverse_cumsum
 from ..common.launch import (
-    autograd_records, bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments, plan_pieces,
-    pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
+    autograd_records, bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments,
+    plan_pieces, pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
 )
 from ..common.normalize import normalized_output_grad
 from .chunk_kernels import (
@@ -265,6 +265,7 @@ def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v
           torch.empty(B, H, K, device=dev, dtype=f32) if normalize else None) if store_final else (None, None, None)
     split = outputs and output_pass
     BR = _row_block(BK, row_blocks, split or not outputs, dev)
+    # the chunk states the walk stores: those asked for, or (split) a buffer of the dots' operand dtype
     held = snapshots if snapshots is not None else ((torch.bfloat16 if bf16_dots(q.dtype) else f32) if split else None)
     cs = None
     if held is not None:
