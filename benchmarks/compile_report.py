@@ -91,17 +91,17 @@ def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, 
     g = torch.empty(B, T, H, device=meta) if gates else None
     gamma = None if gates else 0.999
     save = cfg.save_states and cfg.fwd_chunk == cfg.bwd_chunk and not forward_only
-    common = dict(chunk=cfg.fwd_chunk, segments=cfg.fwd_segments, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v,
-                  stages=cfg.fwd_stages, launch=rec)
     if op == "hla2":
         snap = snapshot_dtype(cfg, dtype) if save else None
         cs = chunk.fwd_launch(q, k, v, g, gamma, None, None, None, snapshots=snap, normalize=normalize, eps=1e-6,
-                              output_pass=cfg.fwd_output_pass, row_blocks=cfg.fwd_row_blocks, **common)[5]
+                              launch=rec, **chunk.forward_layout(cfg))[5]
         if not forward_only:
             dd = torch.empty(B, T, H, device=meta) if normalize else None
             chunk.bwd_launch(q, k, v, do, g, gamma, None, None, None, None, cfg, states=cs, want_db=gates,
                              dd=dd, launch=rec)
     elif op == "ahla":
+        common = dict(chunk=cfg.fwd_chunk, segments=cfg.fwd_segments, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v,
+                      stages=cfg.fwd_stages, launch=rec)
         snap = snapshot_dtype(cfg, dtype) if save else None
         cs = chunk.fwd_launch(q, k, v, g, gamma, None, None, None, None, snapshots=snap, prefetch=cfg.fwd_prefetch,
                               keep_r=cfg.bwd_layers, **common)[6]

@@ -66,9 +66,10 @@ class ChunkConfig:
         the stored states are what its dots read. HLA2 (and HLA3's second stage); AHLA takes only
         False.
     fwd_row_blocks: with ``fwd_output_pass``, the state walk splits the key rows of S and W over
-        this many programs a head and value block (a power of two; each block at least 16 rows),
-        which never exchange data: row block a of the update reads rows a of the state and columns
-        a of K^T only. 1 without ``fwd_output_pass``.
+        this many programs a head and value block (a power of two; each block at least the device's
+        narrowest key tile, ``common.launch.min_key_block``: 64 rows on CUDA, 16 under the
+        interpreter), which never exchange data: row block a of the update reads rows a of the
+        state and columns a of K^T only. 1 without ``fwd_output_pass``.
     """
 
     fwd_chunk: int = 64

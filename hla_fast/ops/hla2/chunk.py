@@ -286,6 +286,13 @@ def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v
     return o, den, ht[0], ht[1], ht[2], cs if snapshots is not None else None
 
 
+def forward_layout(cfg: ChunkConfig) -> dict:
+    """``fwd_launch``'s layout keywords for a call's forward in ``cfg``: chunk, segments, warps,
+    value block, stages and the split (``fwd_output_pass``, ``fwd_row_blocks``)."""
+    return dict(chunk=cfg.fwd_chunk, segments=cfg.fwd_segments, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v,
+                stages=cfg.fwd_stages, output_pass=cfg.fwd_output_pass, row_blocks=cfg.fwd_row_blocks)
+
+
 def _row_block(BK: int, row_blocks: int, state_walk: bool, device: torch.device) -> int:
     """Key rows of S and W one walk program carries: BK / row_blocks. Only a state walk (no
     outputs, or outputs in their own pass) splits them, into blocks no narrower than the device's
@@ -462,10 +469,8 @@ class HLA2ChunkFunction(torch.autograd.Function):
         save = grads and keeps_states(cfg, q, q2, V)
         snap = snapshot_dtype(cfg, q.dtype) if save else None
         o, den, sT, wT, zT, cs = fwd_launch(
-            q, k, v, g, gamma, s0, w0, z0, chunk=cfg.fwd_chunk, segments=cfg.fwd_segments, warps=cfg.fwd_warps,
-            block_v=cfg.fwd_block_v, q2=q2, k2=k2, stages=cfg.fwd_stages, normalize=normalize, eps=eps,
-            snapshots=snap, rate=rate, output_pass=cfg.fwd_output_pass, row_blocks=cfg.fwd_row_blocks,
-            launch=launch)
+            q, k, v, g, gamma, s0, w0, z0, q2=q2, k2=k2, normalize=normalize, eps=eps, snapshots=snap, rate=rate,
+            launch=launch, **forward_layout(cfg))
         cs = (None, None, None) if cs is None else cs
         # the final state is read back only for the log-gates' gradient (its own factor e^{b_T})
         final = (sT, wT, zT) if g is not None and ctx.needs_input_grad[5] else (None, None, None)

@@ -113,10 +113,8 @@ class HLA3StagedFunction(torch.autograd.Function):
         # -- second stage: HLA2 at rate 2 on (q, k, R) from (S0, F0) -----------------------------
         keep = grads and hla2_chunk.keeps_states(cfg2, q, None, v.shape[-1])
         o, _, sT, fT, _, cs = hla2_chunk.fwd_launch(
-            q, k, r, g, gamma, s0, f0, None, chunk=cfg2.fwd_chunk, segments=cfg2.fwd_segments, warps=cfg2.fwd_warps,
-            block_v=cfg2.fwd_block_v, stages=cfg2.fwd_stages,
-            snapshots=snapshot_dtype(cfg2, q.dtype) if keep else None, rate=2, output_pass=cfg2.fwd_output_pass,
-            row_blocks=cfg2.fwd_row_blocks, launch=launch)
+            q, k, r, g, gamma, s0, f0, None, snapshots=snapshot_dtype(cfg2, q.dtype) if keep else None, rate=2,
+            launch=launch, **hla2_chunk.forward_layout(cfg2))
         cs_s, cs_f = (None, None) if cs is None else cs[:2]
         # the final state is read back only for the log-gates' gradient (its own factor e^{b_T})
         final = (sT, pT, fT) if g is not None and ctx.needs_input_grad[3] else (None, None, None)
