@@ -5,7 +5,7 @@ The earlier package is extracted from git into a temporary folder and imported u
 so both run on the same GPU, inputs and Triton. bf16, B=4, H=16, T=32768 (``--T``), gamma=0.999,
 K=V in {64, 128} (``--dims``), ``--gates`` (log-gates that require grad instead of gamma),
 ``--normalize`` (on |q| and |k|), ``--config`` (a change to this tree's configuration rule, to time a
-rule change before making it); medians of triton.testing.do_bench (ms) of the whole call, forward
+rule change before making it; for hla3 its second stage's); medians of triton.testing.do_bench (ms) of the whole call, forward
 under no_grad and forward + backward, the peak memory one forward + backward allocates beyond
 what was allocated before it (the inputs, do and the previous call's gradients), and the relative
 difference of the two revisions' outputs and input gradients. On a CUDA machine, from the repository root:
@@ -87,12 +87,23 @@ def time_call(op, q, k, v, do, g=None, normalize=False, config=None):
     return (*times, (torch.cuda.max_memory_allocated() - base) / 1e6, out)
 
 
-def rule_config(rule, q, v, changes, takes_training, training):
-    """The rule's configuration for inputs shaped as q [B, T, H, K] and v [.., V], changed by
-    ``changes`` (AHLA's rule also takes ``training``)."""
+def rule_config(op, q, v, changes, training, gated=False, normalize=False):
+    """The configuration ``op``'s call on inputs shaped as q [B, T, H, K] and v [.., V] asks its
+    rule for (autograd recording it or not: ``training``; with log-gates: ``gated``; normalized),
+    changed by ``changes``. hla3: the pair (first stage's rule, second stage's changed), so that a
+    change times the second stage's layout alone (its kernels see V + 1 values when normalized)."""
+    import hla_fast
+
     B, T, H, K = q.shape
-    extra = dict(training=training) if takes_training else {}
-    return rule(B, T, H, K, v.shape[-1], q.dtype, q.device, **extra).replace(**changes)
+    V = v.shape[-1] + (normalize and op == "hla3")
+    shape = (B, T, H, K, V, q.dtype, q.device)
+    if op == "ahla":
+        return hla_fast.ahla_config(*shape, training=training).replace(**changes)
+    if op == "hla2":
+        return hla_fast.hla2_config(*shape, gated=gated, normalize=normalize, training=training).replace(**changes)
+    from hla_fast.ops.hla3.chunk import first_stage_config
+    return (first_stage_config(*shape, training=training),
+            hla_fast.hla3_config(*shape, gated=gated, training=training).replace(**changes))
 
 
 def rel(a, b):
@@ -137,8 +148,8 @@ def main():
         for label, mod in ((args.rev, old), ("this tree", new)):
             cfg = None
             if args.config and mod is new:
-                rule = getattr(new, f"{args.op}_config")
-                cfg = functools.partial(rule_config, rule, q, v, args.config, args.op == "ahla")
+                cfg = functools.partial(rule_config, args.op, q, v, args.config, gated=args.gates,
+                                        normalize=args.normalize)
             f, fb, mb, outs[label] = time_call(getattr(mod, args.op), q, k, v, do, g=g, normalize=args.normalize,
                                                config=cfg)
             rows.append({"K": D, "code": label, "fwd_ms": f, "fwdbwd_ms": fb, "fwdbwd_peak_extra_mb": mb})

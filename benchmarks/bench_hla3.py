@@ -7,8 +7,9 @@ Sections (``--sections a,b`` runs only some):
                 backward medians of hla3 with gamma, with per-token log-gates g (that require grad,
                 at the largest T) and flash-linear-attention's first-order chunk_linear_attn (when
                 fla imports); FLOPs of the chunk form and TFLOP/s
-    variants    at the largest T: the default configuration against others (segments, warps,
-                chunks), forward and forward + backward: the measurement behind hla3_config
+    variants    at the largest T: the second stage's default configuration against others
+                (segments, warps, chunks), the first stage at its rule, forward and forward +
+                backward: the measurement behind hla3_config
     decode      hla3_step, B=64, H=16, K=V=128: state traffic against copy bandwidth (also with g
                 and with normalize=True)
     first_call  seconds of the first forward + backward of a fresh process with an empty Triton
@@ -91,6 +92,23 @@ def hla3(q, k, v):
 
 def hla3_g(q, k, v, g):
     return hla_fast.hla3(q, k, v, g=g, backend="triton")[0]
+
+
+def with_layout(first_changes, second_changes):
+    """hla3 (gamma) with each stage's rule, asked as the call asks it (autograd recording or not),
+    changed: ``first_changes`` to the first stage's (AHLA's rule), ``second_changes`` to the
+    second's (``hla3_config``), as ``config=(first, second)``."""
+    from hla_fast.ops.common.launch import autograd_records
+    from hla_fast.ops.hla3.chunk import first_stage_config
+
+    def call(q, k, v):
+        shape = (*q.shape, v.shape[-1], q.dtype, q.device)
+        training = autograd_records(q, k, v)
+        cfg = (first_stage_config(*shape, training=training).replace(**first_changes),
+               hla_fast.hla3_config(*shape, training=training).replace(**second_changes))
+        return hla_fast.hla3(q, k, v, gamma=GAMMA, backend="triton", config=cfg)[0]
+
+    return call
 
 
 def time_pair(row, name, fn, inputs, do):
@@ -357,11 +375,9 @@ def main():
                 row["fwd_segments"], row["bwd_segments"] = cfg.fwd_segments, cfg.bwd_segments
                 if T == Ts[-1]:
                     time_pair(row, "hla3_g", hla3_g, (q, k, v, make_gates(B, T, H)), do)
-                    # both walks as one segment: what the segments buy
-                    one = cfg.replace(fwd_segments=1, bwd_segments=1)
-                    time_pair(row, "hla3_one_segment",
-                              lambda a_, b_, c_: hla_fast.hla3(a_, b_, c_, gamma=GAMMA, backend="triton", config=one)[0],
-                              (q, k, v), do)
+                    # every walk of both stages as one segment: what the segments buy
+                    one = {"fwd_segments": 1, "bwd_segments": 1}
+                    time_pair(row, "hla3_one_segment", with_layout(one, one), (q, k, v), do)
                 if fla_fn is not None:
                     time_pair(row, "fla", fla_fn, (q, k, v), do)
                 if isinstance(row.get("hla3_fwd_ms"), float):
@@ -390,10 +406,8 @@ def main():
                     continue
                 row = {"T": T, "K": D, "variant": name, "changes": changes}
                 try:
-                    cfg = base.replace(**changes)
-                    row["config"] = str(cfg)
-                    time_pair(row, "hla3", lambda a_, b_, c_, cfg=cfg: hla_fast.hla3(
-                        a_, b_, c_, gamma=GAMMA, backend="triton", config=cfg)[0], (q, k, v), do)
+                    row["config"] = str(base.replace(**changes))   # the second stage's, inference
+                    time_pair(row, "hla3", with_layout({}, changes), (q, k, v), do)
                 except Exception as e:  # noqa: BLE001
                     row["hla3_error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 res["variants"].append(row)

@@ -1,7 +1,9 @@
-"""Time HLA2's layouts against fla's first-order chunk_linear_attn, each layout in its own process.
+"""Time HLA2's layouts (or HLA3's second stage's) against fla's first-order chunk_linear_attn, each
+layout in its own process.
 
 The layouts are changes to the configuration rule's ``ChunkConfig`` (``--layouts``, a JSON list of
-objects; ``{}`` is the rule itself), e.g. the split forward (``fwd_output_pass``, ``fwd_row_blocks``):
+objects; ``{}`` is the rule itself; with ``--op hla3`` changes to its second stage's, the first
+keeping its own rule), e.g. the split forward (``fwd_output_pass``, ``fwd_row_blocks``):
 a state walk storing every chunk's start state, then one program per chunk computing its outputs.
 Each layout runs in a subprocess, so that a layout that stops the GPU (an illegal memory access)
 costs only its own row. The rule is asked as the call asks it (training or not, gated or not), then
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import pathlib
 import subprocess
@@ -34,7 +37,7 @@ LAYOUTS = ('[{}, {"fwd_output_pass": true}, {"fwd_output_pass": true, "fwd_row_b
 def one(D: int, T: int, layout: str, op: str, gates: bool) -> dict:
     """One layout's row (run in its own process)."""
     import torch
-    from ab_revision import rel, time_call
+    from ab_revision import rel, rule_config, time_call
 
     import hla_fast
     gen = torch.Generator(device="cuda").manual_seed(D)
@@ -51,16 +54,12 @@ def one(D: int, T: int, layout: str, op: str, gates: bool) -> dict:
         return {"K": D, "T": T, "layout": "fla chunk_linear_attn", "fwd_ms": f, "fwdbwd_ms": fb,
                 "fwdbwd_peak_extra_mb": mb}
     fn = getattr(hla_fast, op)
-    rule = getattr(hla_fast, f"{op}_config")
-    changes = config_changes(layout)
-
-    def cfg(training):   # the rule as the call asks it (hla2's tells a training call from an inference one)
-        extra = dict(gated=gates, training=training) if op == "hla2" else dict(gated=gates)
-        return rule(*q.shape, v.shape[-1], q.dtype, q.device, **extra).replace(**changes)
+    # the rule as the call asks it (training or not), changed (hla3: its second stage's)
+    cfg = functools.partial(rule_config, op, q, v, config_changes(layout), gated=gates)
 
     _, _, _, ref = time_call(fn, q, k, v, do, g=g)   # the rule's outputs and gradients (not timed)
     f, fb, mb, out = time_call(fn, q, k, v, do, g=g, config=cfg)
-    return {"K": D, "T": T, "gates": gates, "layout": changes, "config": repr(cfg(True)), "fwd_ms": f,
+    return {"K": D, "T": T, "gates": gates, "layout": config_changes(layout), "config": repr(cfg(True)), "fwd_ms": f,
             "fwdbwd_ms": fb, "fwdbwd_peak_extra_mb": mb,
             "rel_diff_to_rule": {n: rel(a, b) for n, a, b in zip(("o", "dq", "dk", "dv", "dg"), out, ref)}}
 

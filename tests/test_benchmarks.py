@@ -64,6 +64,9 @@ def load(name):
                                           ("bench_hla3", "hla3_h200_stages"),
                                           ("bench_hla3", "hla3_h200_stages_ab"),
                                           ("bench_hla3", "hla3_h200_stages_k128"),
+                                          ("bench_hla3", "hla3_h200_split_second_stage"),
+                                          ("bench_hla2", "hla2_h200_split_rule_k64"),
+                                          ("bench_hla2", "hla2_h200_split_rule_k128"),
                                           ("bench_ahla", "ahla_h200_chunk128_calls"),
                                           ("walk_rows", "ahla_h200_chunk128"),
                                           ("compile_report", "compile_ahla_bf16_k128_fwd_chunk128_w8_stages2_cpu")])
@@ -207,14 +210,25 @@ def test_ab_revision_changes_the_rule_for_this_trees_calls():
     """``--config``: this tree's calls take the rule's layout for their shapes with the changes."""
     import hla_fast
 
+    from hla_fast.ops.hla3.chunk import first_stage_config
+
     ab = load("ab_revision")
     q, v = torch.zeros(4, 256, 2, 64), torch.zeros(4, 256, 2, 32)
-    cfg = ab.rule_config(hla_fast.hla2_config, q, v, {"grad_parts": (1, 2, 4)}, False, True)
-    assert cfg == hla_fast.hla2_config(4, 256, 2, 64, 32, q.dtype, q.device).replace(grad_parts=(1, 2, 4))
+    shape = (4, 256, 2, 64, 32, q.dtype, q.device)
     for training in (False, True):
-        cfg = ab.rule_config(hla_fast.ahla_config, q, v, {"fwd_warps": 8}, True, training)
-        rule = hla_fast.ahla_config(4, 256, 2, 64, 32, q.dtype, q.device, training=training)
-        assert cfg == rule.replace(fwd_warps=8)
+        for gated in (False, True):
+            for normalize in (False, True):
+                cfg = ab.rule_config("hla2", q, v, {"grad_parts": (1, 2, 4)}, training, gated, normalize)
+                rule = hla_fast.hla2_config(*shape, gated=gated, normalize=normalize, training=training)
+                assert cfg == rule.replace(grad_parts=(1, 2, 4))
+            # hla3: the first stage keeps its rule, the second takes the change (V + 1 values normalized)
+            for normalize, Vk in ((False, 32), (True, 33)):
+                first, second = ab.rule_config("hla3", q, v, {"bwd_warps": 8}, training, gated, normalize)
+                shape3 = (*shape[:4], Vk, *shape[5:])
+                assert first == first_stage_config(*shape3, training=training)
+                assert second == hla_fast.hla3_config(*shape3, gated=gated, training=training).replace(bwd_warps=8)
+        cfg = ab.rule_config("ahla", q, v, {"fwd_warps": 8}, training)
+        assert cfg == hla_fast.ahla_config(*shape, training=training).replace(fwd_warps=8)
 
 
 @pytest.mark.skipif(not load("compile_report").has_cuda_compiler(), reason="needs Triton's CUDA backend (compiler and ptxas)")

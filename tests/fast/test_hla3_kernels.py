@@ -15,6 +15,7 @@ from .helpers import BENCHMARKS, has_cuda_compiler, rand_gates, rand_qkv, real_c
 
 import hla_fast
 from hla_fast import ChunkConfig
+from hla_fast.ops.common.launch import min_key_block
 
 chunk = importlib.import_module("hla_fast.ops.hla3.chunk")
 
@@ -298,15 +299,94 @@ def test_wide_keys_are_refused_on_triton_only(device):
     assert o.shape == v.shape and torch.isfinite(o).all()
 
 
-def test_config_rule():
-    """HLA3's rule is HLA2's (its second stage runs HLA2's kernels), with the call's gates."""
-    cpu = torch.device("cpu")
+def test_config_rule(monkeypatch):
+    """HLA3's rule is HLA2's (its second stage runs HLA2's kernels), with the call's gates and
+    whether autograd records it: a long bf16 training call of 128-wide keys on an H200-sized
+    device (132 multiprocessors) runs that stage's forward split, as HLA2's own does."""
+    from hla_fast.ops.common import launch
+
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
+    for rule in (hla_fast.hla2_config, hla_fast.hla3_config):
+        rule.cache_clear()   # cached per shape and device
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
     for args in ((4, 32768, 16, 64, 64, torch.bfloat16, cpu), (4, 32768, 16, 128, 128, torch.bfloat16, cpu),
-                 (1, 100, 1, 16, 20, torch.float32, cpu, 16)):
+                 (4, 32768, 16, 128, 128, torch.bfloat16, cuda), (1, 100, 1, 16, 20, torch.float32, cpu, 16)):
         for gated in (False, True):
-            assert hla_fast.hla3_config(*args, gated=gated) == hla_fast.hla2_config(*args, gated=gated)
+            for training in (False, True):
+                assert (hla_fast.hla3_config(*args, gated=gated, training=training)
+                        == hla_fast.hla2_config(*args, gated=gated, training=training))
+    long128 = (4, 32768, 16, 128, 128, torch.bfloat16, cuda)
+    assert hla_fast.hla3_config(*long128, training=True).fwd_output_pass
+    assert not hla_fast.hla3_config(*long128).fwd_output_pass
     with pytest.raises(TypeError, match="config must be a ChunkConfig"):
         hla_fast.hla3(*rand_qkv(1, 4, 1, 8, 8), backend="torch", config={"fwd_chunk": 16})
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_the_call_asks_the_rule_whether_it_trains(gated, device, monkeypatch):
+    """Without a config, hla3 asks each stage's rule whether autograd records the call (the
+    first stage's keeps its states then, the second's may run split) and the second's whether it
+    is gated."""
+    asked = []
+    rule, first = chunk.hla3_config, chunk.first_stage_config
+
+    def spy(*args, **kw):
+        asked.append(("second", kw.get("gated"), kw.get("training")))
+        return rule(*args, **kw)
+
+    def spy_first(*args, **kw):
+        asked.append(("first", None, kw.get("training")))
+        return first(*args, **kw)
+
+    monkeypatch.setattr(chunk, "hla3_config", spy)
+    monkeypatch.setattr(chunk, "first_stage_config", spy_first)
+    q, k, v = rand_qkv(1, 9, 2, 8, 8, seed=4, device=device)
+    g = rand_gates(1, 9, 2, seed=5, device=device) if gated else None
+    decay = dict(g=g) if gated else dict(gamma=0.9)
+    hla_fast.hla3(q, k, v, backend="triton", **decay)
+    assert set(asked) == {("first", None, False), ("second", gated, False)}
+    asked.clear()
+    hla_fast.hla3(q, k, v.requires_grad_(), backend="triton", **decay)
+    assert set(asked) == {("first", None, True), ("second", gated, True)}
+
+
+def test_a_config_for_each_stage(device):
+    """config=(first, second) sets each stage's layout: the same outputs and gradients as the
+    rule's or one config for both (fp32 under the interpreter: to fp32 rounding), the first stage
+    loading ahead (AHLA's walk may) and the second walking its backward in pieces and running its
+    forward split; what a stage does not have is refused, naming the stage."""
+    q, k, v = rand_qkv(1, 40, 2, 2 * min_key_block(torch.device(device)), 8, seed=11, device=device)
+    g = rand_gates(1, 40, 2, seed=12, device=device)
+    both = hla_fast.ChunkConfig(fwd_chunk=16, bwd_chunk=16, fwd_block_v=16)
+
+    def run(config):
+        ins = [x.detach().clone().requires_grad_() for x in (q, k, v, g)]
+        o, st = hla_fast.hla3(*ins[:3], g=ins[3], backend="triton", config=config, output_final_state=True)
+        (o.square().sum() + st.F.sum()).backward()
+        return [o, st.S, st.P, st.F] + [x.grad for x in ins]
+
+    ref = run(both)
+    for a, b in zip(ref, run((both, both))):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    first = both.replace(fwd_prefetch=True, fwd_chunk=32, bwd_chunk=32)
+    second = both.replace(bwd_pieces=2, fwd_chunk=32, bwd_chunk=32, fwd_output_pass=True, fwd_row_blocks=2)
+    for a, b in zip(ref, run((first, second))):
+        assert rel(b, a) < 1e-5
+    with pytest.raises(ValueError, match=r"config.fwd_output_pass must be False .* for hla3's first stage \(config\[0\]\)"):
+        hla_fast.hla3(q, k, v, backend="triton", config=(second, both))
+    with pytest.raises(ValueError, match=r"config\[0\].bwd_prefetch must be False for hla3's first stage"):
+        hla_fast.hla3(q, k, v, backend="triton", config=(both.replace(bwd_prefetch=True), both))
+    with pytest.raises(ValueError, match=r"must be False for hla3's second stage \(config\[1\]\)"):
+        hla_fast.hla3(q, k, v, backend="triton", config=(both, first))
+    for bad, got in (((both,), r"got a tuple of 1: \(ChunkConfig\)"), ([both, both], "got list"),
+                     ((both, {"fwd_chunk": 16}), r"got a tuple of 2: \(ChunkConfig, dict\)"),
+                     ((both, both, both), "got a tuple of 3")):
+        with pytest.raises(TypeError, match=r"config must be a ChunkConfig, a tuple of 2 ChunkConfigs \(one a stage\) "
+                                            r"or None, " + got):
+            hla_fast.hla3(q, k, v, backend="triton", config=bad)
+    for op in (hla_fast.hla2, hla_fast.ahla):   # one stage: a pair is refused
+        with pytest.raises(TypeError, match="config must be a ChunkConfig or None, got tuple"):
+            op(q, k, v, backend="triton", config=(both, both))
 
 
 def test_the_second_stage_rate_is_checked():

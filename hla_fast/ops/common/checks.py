@@ -229,13 +229,22 @@ def check_call(q, k, v, gamma, g, normalize, eps, backend, seq: bool, op: str = 
     return dims, gamma, g, eps, backend
 
 
-def check_sequence_options(output_final_state, chunk_size, backend: str, config):
+def check_sequence_options(output_final_state, chunk_size, backend: str, config, stages: int = 1):
     """The options only a sequence call has: ``output_final_state`` a bool, ``chunk_size`` one
-    the backend takes, ``config`` None or a ChunkConfig."""
+    the backend takes, ``config`` None or a ChunkConfig (for an operator of ``stages`` > 1
+    stages of kernels also a tuple of one ChunkConfig a stage)."""
     check_flag(output_final_state, "output_final_state")
     check_chunk_size(chunk_size, backend)
-    if config is not None and not isinstance(config, ChunkConfig):
-        raise TypeError(f"config must be a ChunkConfig or None, got {type(config).__name__}")
+    if config is None or isinstance(config, ChunkConfig):
+        return
+    if stages > 1 and isinstance(config, tuple):
+        if len(config) == stages and all(isinstance(c, ChunkConfig) for c in config):
+            return
+        got = f"a tuple of {len(config)}: ({', '.join(type(c).__name__ for c in config)})"
+    else:
+        got = type(config).__name__
+    want = f", a tuple of {stages} ChunkConfigs (one a stage)" if stages > 1 else ""
+    raise TypeError(f"config must be a ChunkConfig{want} or None, got {got}")
 
 
 def check_state(state, cls, want: dict, optional: set, q, name: str):

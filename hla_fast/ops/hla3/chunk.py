@@ -52,7 +52,7 @@ from torch.autograd.function import once_differentiable
 
 from ..ahla.chunk import ahla_config, layer_bwd, layer_fwd
 from ..common.compile import compile_ahead, launch_kernel
-from ..common.config import ChunkConfig, chunk_or_default, refuse_ahla_fields
+from ..common.config import ChunkConfig, chunk_or_default, refuse_ahla_fields, refuse_split_forward
 from ..common.launch import autograd_records, snapshot_dtype
 from ..common.gates import reverse_cumsum
 from ..hla2 import chunk as hla2_chunk
@@ -64,13 +64,35 @@ TILE_MAX = 128
 
 @functools.lru_cache(maxsize=4096)
 def hla3_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: torch.device,
-                chunk_size: int | None = None, gated: bool = False) -> ChunkConfig:
+                chunk_size: int | None = None, gated: bool = False, training: bool = False) -> ChunkConfig:
     """The default layout of the second stage: HLA2's rule (``hla2.chunk.hla2_config``, its
-    measurements there), since that stage runs HLA2's kernels. ``gated``: the call has log-gates g.
-    V: the values the kernels see (V + 1 when normalizing). The first stage takes AHLA's rule
-    (:func:`first_stage_config`); a ``config`` passed to ``hla3`` sets both. The result is
-    immutable, so it is cached."""
-    return hla2_chunk.hla2_config(B, T, H, K, V, dtype, device, chunk_size, gated=gated)
+    measurements there), since that stage runs HLA2's kernels. ``gated``: the call has log-gates g;
+    ``training``: autograd records the call (HLA2's rule then splits a long bf16 forward of
+    128-wide keys, whose chunk states the backward keeps anyway: forward + backward 33.0 -> 29.6 ms
+    at K = V = 128, T = 32k, bit-identical, ``benchmarks/results/hla3_h200_ab_split_second_stage.json``;
+    the rule's layout at K = V = 64 was the fastest of those swept,
+    ``hla3_h200_second_stage_layouts_k64.json``). V: the values the kernels see
+    (V + 1 when normalizing). The first stage takes AHLA's rule (:func:`first_stage_config`); a
+    ``config`` passed to ``hla3`` sets both, or each with a pair. The result is immutable, so it
+    is cached."""
+    return hla2_chunk.hla2_config(B, T, H, K, V, dtype, device, chunk_size, gated=gated, training=training)
+
+
+def stage_configs(config) -> tuple[ChunkConfig, ChunkConfig]:
+    """The two stages' layouts from ``hla3``'s ``config`` (checked: a ChunkConfig or a pair of
+    them): one config sets both; of a pair, the first stage's may not ask for what only HLA2's
+    forward or AHLA's backward walk has (the split forward, ``bwd_prefetch``), the second's not for
+    what only AHLA's walks have (loading ahead, the layered backward)."""
+    if isinstance(config, ChunkConfig):
+        refuse_ahla_fields(config, "hla3")
+        return config, config
+    cfg1, cfg2 = config
+    refuse_split_forward(cfg1, "hla3's first stage (config[0])")
+    if cfg1.bwd_prefetch:
+        raise ValueError("config[0].bwd_prefetch must be False for hla3's first stage (its backward runs AHLA's "
+                         "per-layer kernels, which do not load ahead), got True")
+    refuse_ahla_fields(cfg2, "hla3's second stage (config[1])")
+    return cfg1, cfg2
 
 
 def first_stage_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: torch.device,
@@ -154,7 +176,8 @@ def hla3_chunked(q, k, v, g, gamma, state, normalize, eps, config=None, chunk_si
     """HLA3 on the Triton kernels (K <= TILE_MAX through the checks).
 
     q, k: [B, T, H, K]; v: [B, T, H, V] (contiguous); g: [B, T, H] or None; state: a checked fp32
-    HLA3State or None; config: a ChunkConfig, or None for ``hla3_config``'s rule. launch: how
+    HLA3State or None; config: a ChunkConfig for both stages, a pair (first stage's, second
+    stage's), or None for each stage's rule (``first_stage_config``, ``hla3_config``). launch: how
     kernels are launched (``common.compile``); None launches them, after compiling a new call's
     kernels at once (``compile_ahead``).
     Returns (o [B, T, H, V] in v's dtype, HLA3State)."""
@@ -173,13 +196,11 @@ def hla3_chunked(q, k, v, g, gamma, state, normalize, eps, config=None, chunk_si
     if state is not None:
         p0, f0 = p0.contiguous(), f0.contiguous()
     if config is not None:
-        refuse_ahla_fields(config, "hla3")
-        cfg1 = cfg2 = config
+        cfg1, cfg2 = stage_configs(config)
     else:
-        Vk = vv.shape[-1]
-        cfg1 = first_stage_config(B, T, H, K, Vk, q.dtype, q.device, chunk_size,
-                                  training=autograd_records(q, k, v, g, s0, p0, f0))
-        cfg2 = hla3_config(B, T, H, K, Vk, q.dtype, q.device, chunk_size, gated=g is not None)
+        Vk, training = vv.shape[-1], autograd_records(q, k, v, g, s0, p0, f0)
+        cfg1 = first_stage_config(B, T, H, K, Vk, q.dtype, q.device, chunk_size, training=training)
+        cfg2 = hla3_config(B, T, H, K, Vk, q.dtype, q.device, chunk_size, gated=g is not None, training=training)
     if launch is None:   # the rehearsal takes the layouts chosen here (a config as given)
         compile_ahead("hla3", hla3_chunked, (q, k, v, g, gamma, state, normalize, eps, config, chunk_size), q.device)
         launch = launch_kernel

@@ -51,11 +51,13 @@ def hla3(q, k, v, *, gamma=None, g=None, normalize=False, eps=1e-6, initial_stat
             rules, ``hla2_config``'s and ``ahla_config``'s, take it or less); the result does not
             depend on it.
         backend: "triton", "torch" or None (triton for CUDA tensors, torch otherwise).
-        config: a ChunkConfig for both stages of the triton backend (None: each stage's rule,
-            ``hla3_config`` for the second, HLA2's kernels at rate 2, and AHLA's for the first,
-            its first layer; ``hla_fast/ops/hla3/chunk.py``). They read fwd_chunk, bwd_chunk,
-            fwd_segments, bwd_segments, fwd_warps, bwd_warps, fwd_stages, bwd_stages,
-            fwd_block_v, grad_parts, bwd_pieces and save_states.
+        config: the triton backend's layout: a ChunkConfig for both stages, a tuple
+            (first stage's, second stage's), or None for each stage's rule (``hla3_config`` for
+            the second, HLA2's kernels at rate 2, and AHLA's for the first, its first layer;
+            ``hla_fast/ops/hla3/chunk.py``). The first stage reads fwd_chunk, fwd_segments,
+            fwd_warps, fwd_stages, fwd_block_v, fwd_prefetch, bwd_chunk, bwd_warps and
+            save_states; the second those but fwd_prefetch, and bwd_segments, bwd_stages,
+            grad_parts, bwd_pieces, fwd_output_pass and fwd_row_blocks.
         cu_seqlens: None, or int32 offsets [N + 1] of N sequences packed along T (B == 1);
             initial_state and the final state then have N rows. Runs as a padded batch of N
             (``hla_fast/ops/common/varlen.py``: exact; costs N * max length rows).
@@ -69,7 +71,7 @@ def hla3(q, k, v, *, gamma=None, g=None, normalize=False, eps=1e-6, initial_stat
                            chunk_size=chunk_size, backend=backend, config=config)
     (B, T, H, K, V), gamma, g, eps, backend = check_call(q, k, v, gamma, g, normalize, eps, backend, seq=True,
                                                          op="hla3", triton_max_k=TRITON_MAX_K)
-    check_sequence_options(output_final_state, chunk_size, backend, config)
+    check_sequence_options(output_final_state, chunk_size, backend, config, stages=2)
     st = _check_state(initial_state, B, H, K, V, normalize, q, "initial_state")
     if backend == "torch":
         from .torch_backend import hla3_torch
