@@ -7,7 +7,8 @@ keeping its own rule), e.g. the split forward (``fwd_output_pass``, ``fwd_row_bl
 a state walk storing every chunk's start state, then one program per chunk computing its outputs.
 Each layout runs in a subprocess, so that a layout that stops the GPU (an illegal memory access)
 costs only its own row. The rule is asked as the call asks it (training or not, gated or not), then
-changed. bf16, B=4, H=16, gamma=0.999 (``--gates``: log-gates that require grad), K=V in ``--dims``,
+changed. bf16, B=4, H=16, gamma=0.999 (``--gates``: log-gates that require grad), K in ``--dims``
+and V = K (``--V``: another value width; ``--normalize``: normalized, on |q| and |k|),
 T = ``--T``; medians of
 triton.testing.do_bench (ms) of the whole call, forward under no_grad and forward + backward, the
 peak memory a forward + backward allocates beyond the inputs, and the relative difference of the
@@ -34,14 +35,17 @@ LAYOUTS = ('[{}, {"fwd_output_pass": true}, {"fwd_output_pass": true, "fwd_row_b
            '{"fwd_output_pass": true, "fwd_segments": 1}]')
 
 
-def one(D: int, T: int, layout: str, op: str, gates: bool) -> dict:
+def one(D: int, T: int, layout: str, op: str, gates: bool, V: int | None = None, normalize: bool = False) -> dict:
     """One layout's row (run in its own process)."""
     import torch
     from ab_revision import rel, rule_config, time_call
 
     import hla_fast
     gen = torch.Generator(device="cuda").manual_seed(D)
-    q, k, v = (0.3 * torch.randn(4, T, 16, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    q, k, v = (0.3 * torch.randn(4, T, 16, n, device="cuda", dtype=torch.bfloat16, generator=gen)
+               for n in (D, D, V or D))
+    if normalize:
+        q, k = q.abs(), k.abs()
     do = torch.randn_like(v)
     g = -0.001 * torch.rand(4, T, 16, device="cuda", generator=gen) if gates else None
     if layout == "fla":
@@ -51,16 +55,16 @@ def one(D: int, T: int, layout: str, op: str, gates: bool) -> dict:
             return chunk_linear_attn(q, k, v, normalize=False)
 
         f, fb, mb, _ = time_call(fla_op, q, k, v, do)
-        return {"K": D, "T": T, "layout": "fla chunk_linear_attn", "fwd_ms": f, "fwdbwd_ms": fb,
+        return {"K": D, "V": V or D, "T": T, "layout": "fla chunk_linear_attn", "fwd_ms": f, "fwdbwd_ms": fb,
                 "fwdbwd_peak_extra_mb": mb}
     fn = getattr(hla_fast, op)
     # the rule as the call asks it (training or not), changed (hla3: its second stage's)
-    cfg = functools.partial(rule_config, op, q, v, config_changes(layout), gated=gates)
+    cfg = functools.partial(rule_config, op, q, v, config_changes(layout), gated=gates, normalize=normalize)
 
-    _, _, _, ref = time_call(fn, q, k, v, do, g=g)   # the rule's outputs and gradients (not timed)
-    f, fb, mb, out = time_call(fn, q, k, v, do, g=g, config=cfg)
-    return {"K": D, "T": T, "gates": gates, "layout": config_changes(layout), "config": repr(cfg(True)), "fwd_ms": f,
-            "fwdbwd_ms": fb, "fwdbwd_peak_extra_mb": mb,
+    _, _, _, ref = time_call(fn, q, k, v, do, g=g, normalize=normalize)   # the rule's outputs and gradients
+    f, fb, mb, out = time_call(fn, q, k, v, do, g=g, normalize=normalize, config=cfg)
+    return {"K": D, "V": V or D, "T": T, "gates": gates, "normalize": normalize, "layout": config_changes(layout),
+            "config": repr(cfg(True)), "fwd_ms": f, "fwdbwd_ms": fb, "fwdbwd_peak_extra_mb": mb,
             "rel_diff_to_rule": {n: rel(a, b) for n, a, b in zip(("o", "dq", "dk", "dv", "dg"), out, ref)}}
 
 
@@ -73,12 +77,14 @@ def main():
     ap.add_argument("--layouts", default=LAYOUTS, help="JSON list of ChunkConfig changes; {} is the rule")
     ap.add_argument("--no-fla", action="store_true", help="leave out fla's rows")
     ap.add_argument("--gates", action="store_true", help="log-gates g (that require grad) instead of gamma")
+    ap.add_argument("--normalize", action="store_true", help="normalize=True (on |q| and |k|)")
+    ap.add_argument("--V", type=int, default=None, help="value width (default: K)")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per layout's process")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)   # internal: one layout, as JSON
     args = ap.parse_args()
     if args.one is not None:
         D, layout = json.loads(args.one)
-        print(json.dumps(one(D, args.T, layout, args.op, args.gates)))
+        print(json.dumps(one(D, args.T, layout, args.op, args.gates, args.V, args.normalize)))
         return
     layouts = [json.dumps(x) for x in json.loads(args.layouts)]
     rows = []
@@ -86,6 +92,8 @@ def main():
         for layout in ([] if args.no_fla else ["fla"]) + layouts:
             cmd = [sys.executable, __file__, "--op", args.op, "--T", str(args.T), "--one", json.dumps([D, layout])]
             cmd += ["--gates"] if args.gates else []
+            cmd += ["--normalize"] if args.normalize else []
+            cmd += ["--V", str(args.V)] if args.V else []
             try:
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
                 lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
@@ -100,7 +108,7 @@ def main():
     res = {"device": torch.cuda.get_device_name(0), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "versions": {"torch": torch.__version__, "triton": triton.__version__}, "op": args.op,
         "shape": {"B": 4, "T": args.T, "H": 16, "dtype": "bfloat16", "gamma": None if args.gates else 0.999},
-        "gates": args.gates, "rows": rows}
+        "gates": args.gates, "normalize": args.normalize, "V": args.V, "rows": rows}
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
 

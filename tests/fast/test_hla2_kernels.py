@@ -355,8 +355,15 @@ def test_configuration_rule(monkeypatch):
     c = hla_fast.hla2_config(4, 4096, 16, 128, 128, torch.bfloat16, cuda)
     assert c.bwd_pieces == 1  # 128 chunks: too few to be worth the launches
     c = hla_fast.hla2_config(4, 32768, 16, 64, 128, torch.bfloat16, cuda)
-    # 64-wide keys keep 64 x 64 tiles and 4 warps: the backward runs two value blocks, so nothing is kept
+    # 64-wide keys keep 64 x 64 tiles, 4 warps and (bf16) chunks of 64: the backward runs two value
+    # blocks, so nothing is kept
     assert (c.fwd_warps, c.bwd_warps, c.fwd_segments, c.bwd_segments, c.save_states) == (4, 4, 2, 4, False)
+    assert (c.fwd_chunk, c.bwd_chunk) == (64, 64)
+    for V in (65, 128, 256):
+        assert hla_fast.hla2_config(4, 32768, 16, 64, V, torch.bfloat16, cuda).fwd_chunk == 64
+    # fp32 (tf32x3 tiles) keeps the wide heads' chunks; wider keys keep chunks of 32
+    assert hla_fast.hla2_config(4, 32768, 16, 64, 128, torch.float32, cuda).fwd_chunk == 16
+    assert hla_fast.hla2_config(4, 32768, 16, 128, 64, torch.bfloat16, cuda).fwd_chunk == 32
     assert c.bwd_pieces == 1  # a segmented walk is not cut into pieces
     assert chunk.bwd_value_width(64) == 64 and chunk.bwd_value_width(65) == chunk.bwd_value_width(128) == 128
     c = hla_fast.hla2_config(1, 4096, 2, 64, 64, torch.bfloat16, cuda)

@@ -91,7 +91,12 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     * heads up to 64 wide: chunks of ``chunk_size`` forward (at most FP32_MAX_CHUNK for fp32 and
       fp16 inputs, whose tiles are fp32) and at most 64 backward; wider heads:
       chunks of at most 32 in both passes (fewer live tiles a program), 16 for fp32 inputs
-      (``hla2_h200_first_call_rule.md``, ``hla2_h200_fp32_k128_chunk16.json``);
+      (``hla2_h200_first_call_rule.md``, ``hla2_h200_fp32_k128_chunk16.json``), but for bf16 keys
+      up to 64 wide with wider values, whose programs hold the tiles of K = V = 64 (values run in
+      blocks of 64) and take its chunks: at K = 64, V = 128, T = 32k forward + backward 14.2 against
+      18.1 ms, forward 2.18 against 2.64, peak 2.7 against 3.8 GB (``hla2_h200_layouts_k64_v128.json``),
+      and HLA3's normalized second stage (V + 1 = 65 values) 29.0 against 32.1 ms forward + backward
+      (``hla3_h200_second_stage_layouts_k64_normalize.json``);
     * forward value blocks of 64 columns; backward value blocks of ``bwd_value_width(K)``;
     * 4 warps for tiles up to 64 x 64, 8 above;
     * segments: as many as keep every program in one wave (two 4-warp programs or one 8-warp
@@ -136,10 +141,13 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     tile (a feature block of a wider head). The result is immutable, so it is cached per shape."""
     chunk_size = chunk_or_default(chunk_size)
     wide = max(K, V) > 64
+    # bf16 values wider than 64 run in blocks of 64: with keys up to 64 a program's tiles are those of
+    # K = V = 64, and so are its chunks
+    wide_tiles = wide and not (dtype == torch.bfloat16 and pow2_block(K) <= 64)
     fp32 = dtype == torch.float32
     wide_chunk = 16 if fp32 else 32   # fp32: tf32x3 products of 32-row tiles were the slowest compiles
-    fwd_chunk = min(chunk_size, wide_chunk) if wide else tile_chunk(chunk_size, dtype)
-    bwd_chunk = min(chunk_size, wide_chunk if wide else 64)
+    fwd_chunk = min(chunk_size, wide_chunk) if wide_tiles else tile_chunk(chunk_size, dtype)
+    bwd_chunk = min(chunk_size, wide_chunk if wide_tiles else 64)
     block_v = min(64, pow2_block(V, min_value_block(device)))
     bwd_bv = min(pow2_block(V, min_value_block(device)), bwd_value_width(K))
     fwd_warps = 4 if pow2_block(K) <= 64 and block_v <= 64 else 8
