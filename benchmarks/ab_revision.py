@@ -5,8 +5,8 @@ The earlier package is extracted from git into a temporary folder and imported u
 so both run on the same GPU, inputs and Triton. bf16, B=4, H=16, T=32768 (``--T``), gamma=0.999,
 K=V in {64, 128} (``--dims``), ``--gates`` (log-gates that require grad instead of gamma),
 ``--normalize`` (on |q| and |k|), ``--config`` (a change to this tree's configuration rule, to time a
-rule change before making it; for hla3 its second stage's); medians of triton.testing.do_bench (ms) of the whole call, forward
-under no_grad and forward + backward, the peak memory one forward + backward allocates beyond
+rule change before making it; for hla3 its second stage's); medians of triton.testing.do_bench (ms)
+of the whole call, forward under no_grad and forward + backward, the peak memory one forward + backward allocates beyond
 what was allocated before it (the inputs, do and the previous call's gradients), and the relative
 difference of the two revisions' outputs and input gradients. On a CUDA machine, from the repository root:
 

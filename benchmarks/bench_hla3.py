@@ -95,17 +95,15 @@ def hla3_g(q, k, v, g):
 
 
 def with_layout(first_changes, second_changes):
-    """hla3 (gamma) with each stage's rule, asked as the call asks it (autograd recording or not),
-    changed: ``first_changes`` to the first stage's (AHLA's rule), ``second_changes`` to the
-    second's (``hla3_config``), as ``config=(first, second)``."""
+    """hla3 (gamma) with each stage's rule, asked as the call asks it (``ab_revision.rule_config``:
+    autograd recording or not), changed: ``first_changes`` to the first stage's (AHLA's rule),
+    ``second_changes`` to the second's (``hla3_config``), as ``config=(first, second)``."""
+    from ab_revision import rule_config
     from hla_fast.ops.common.launch import autograd_records
-    from hla_fast.ops.hla3.chunk import first_stage_config
 
     def call(q, k, v):
-        shape = (*q.shape, v.shape[-1], q.dtype, q.device)
-        training = autograd_records(q, k, v)
-        cfg = (first_stage_config(*shape, training=training).replace(**first_changes),
-               hla_fast.hla3_config(*shape, training=training).replace(**second_changes))
+        first, second = rule_config("hla3", q, v, second_changes, autograd_records(q, k, v))
+        cfg = (first.replace(**first_changes), second)
         return hla_fast.hla3(q, k, v, gamma=GAMMA, backend="triton", config=cfg)[0]
 
     return call

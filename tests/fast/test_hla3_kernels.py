@@ -372,7 +372,8 @@ def test_a_config_for_each_stage(device):
     second = both.replace(bwd_pieces=2, fwd_chunk=32, bwd_chunk=32, fwd_output_pass=True, fwd_row_blocks=2)
     for a, b in zip(ref, run((first, second))):
         assert rel(b, a) < 1e-5
-    with pytest.raises(ValueError, match=r"config.fwd_output_pass must be False .* for hla3's first stage \(config\[0\]\)"):
+    with pytest.raises(ValueError,
+                       match=r"config.fwd_output_pass must be False .* for hla3's first stage \(config\[0\]\)"):
         hla_fast.hla3(q, k, v, backend="triton", config=(second, both))
     with pytest.raises(ValueError, match=r"config\[0\].bwd_prefetch must be False for hla3's first stage"):
         hla_fast.hla3(q, k, v, backend="triton", config=(both.replace(bwd_prefetch=True), both))
