@@ -80,8 +80,10 @@ def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, 
     from hla_fast.ops.common.launch import snapshot_dtype
 
     rule = getattr(hla_fast, f"{op}_config")
+    # the rule as the call asks it (a training call unless forward_only; hla3: its second stage's)
     kw = {"training": not forward_only} if op == "ahla" else (
-        {"gated": gates, "normalize": normalize, "training": not forward_only} if op == "hla2" else {"gated": gates})
+        {"gated": gates, "normalize": normalize, "training": not forward_only} if op == "hla2" else
+        {"gated": gates, "training": not forward_only})
     cfg = rule(B, T, H, K, V, dtype, cuda, **kw).replace(**(changes or {}))
     meta = torch.device("meta")
     q = torch.empty(B, T, H, K, dtype=dtype, device=meta)

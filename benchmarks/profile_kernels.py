@@ -54,8 +54,10 @@ def profile_case(op, D, T, gated=False, changes=None, normalize=False):
     """{kernel name: [ms per forward + backward, launches per forward + backward]}, largest first.
     gated: log-gates g [B, T, H] (``bench_hla2.make_gates``) that require grad, instead of gamma.
     normalize: normalize=True, on |q| and |k| (a positive denominator).
-    changes: ChunkConfig fields changed from the rule's training layout (None: the rule's)."""
+    changes: ChunkConfig fields changed from the rule's training layout (None: the rule's; hla3:
+    the second stage's, ``ab_revision.rule_config``)."""
     import hla_fast
+    from ab_revision import rule_config
     from bench_hla2 import make_gates, make_inputs
     from torch.profiler import ProfilerActivity, profile
 
@@ -66,9 +68,8 @@ def profile_case(op, D, T, gated=False, changes=None, normalize=False):
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     decay = {"g": make_gates(4, T, 16).requires_grad_()} if gated else {"gamma": 0.999}
     do = torch.randn_like(v)
-    rule_kw = {"training": True} if op == "ahla" else ({"gated": gated, "normalize": normalize} if op == "hla2" else {})
-    cfg = getattr(hla_fast, f"{op}_config")(4, T, 16, D, D, q.dtype, q.device, **rule_kw)
-    cfg = cfg.replace(**(changes or {}))
+    # the rule as a training call with these flags asks it (hla3: each stage's), changed
+    cfg = rule_config(op, q, v, changes or {}, training=True, gated=gated, normalize=normalize)
 
     def step():
         for x in (q, k, v, *(x for x in decay.values() if torch.is_tensor(x))):

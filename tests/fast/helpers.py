@@ -3,7 +3,10 @@ list of operators the contract suite (test_contract.py) checks."""
 import functools
 import importlib
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,6 +40,43 @@ def benchmark_module(name):
 def has_cuda_compiler() -> bool:
     """Whether Triton can compile for sm_90 here without a GPU (benchmarks/compile_report.py)."""
     return benchmark_module("compile_report").has_cuda_compiler()
+
+
+# Hopper's shared memory a block may take (227 KB)
+HOPPER_SHARED = 232448
+
+_RULE_SHARED = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[3])   # benchmarks/
+from compile_report import hopper_compile, record_launches
+
+out = []
+for case in json.loads(sys.argv[2]):
+    case = dict(case, dtype=getattr(torch, case["dtype"]))
+    cfg, launches = record_launches(sys.argv[1], **case)
+    seen = set()
+    for kernel, _, kw in launches:
+        name = kernel.fn.__name__
+        key = (name, tuple(sorted((n, str(getattr(x, "dtype", x))) for n, x in kw.items())))
+        if key not in seen:
+            seen.add(key)
+            out.append([name, hopper_compile(kernel, kw)[0].metadata.shared, repr(cfg)])
+print(json.dumps(out))
+"""
+
+
+def rule_kernels_shared(op, cases):
+    """Compile for sm_90 (no GPU needed) every distinct kernel launch of ``op``'s calls in the
+    layouts its rule gives on an H200-sized device: ``cases`` are keyword arguments of
+    ``compile_report.record_launches`` (B, T, H, K, V, dtype as a name, gates, forward_only, ...).
+    Runs in a subprocess without TRITON_INTERPRET; returns [[kernel name, shared bytes, repr of the
+    config], ...]."""
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _RULE_SHARED, op, json.dumps(cases), BENCHMARKS], capture_output=True,
+                         text=True, env=env, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def rand_qkv(B, T, H, K, V, *, seed=0, scale=0.5, positive=False, dtype=None, device="cpu"):

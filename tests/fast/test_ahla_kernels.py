@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from .conftest import DEVICE, HAS_CUDA
-from .helpers import brute_ahla, has_cuda_compiler, rand_gates, rand_qkv, rel, torch
+from .helpers import HOPPER_SHARED, brute_ahla, has_cuda_compiler, rand_gates, rand_qkv, rel, torch
 
 import hla_fast
 from hla_fast import AHLAState, ChunkConfig
@@ -372,9 +372,6 @@ for K, V, dtype, normalize in json.loads(sys.argv[1]):
     out.append(kernel.metadata.shared)
 print(json.dumps(out))
 """
-
-# Hopper's shared memory a block may take (227 KB)
-HOPPER_SHARED = 232448
 
 
 @pytest.mark.skipif(not has_cuda_compiler(), reason="needs triton.compiler.ASTSource, GPUTarget and the CUDA backend")

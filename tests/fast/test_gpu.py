@@ -135,30 +135,73 @@ def test_gradients_in_the_rule_layouts(dtype, T, short, poison):
     _assert_gradients_match(q, k, v, g, {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype])
 
 
-@pytest.mark.parametrize("dtype,K,normalize,row_blocks", [
-    (torch.bfloat16, 128, False, 2), (torch.bfloat16, 128, True, 2), (torch.float32, 128, False, 2),
-    (torch.bfloat16, 128, False, 1), (torch.bfloat16, 64, False, 1), (torch.bfloat16, 96, True, 2),
+# the layouts of the rule's split forwards: a training call's (one state walk, loads pipelined in
+# both passes) and an inference call's (two state walks in chunks of 64)
+_TRAIN_SPLIT = dict(fwd_stages=3, bwd_stages=3)
+_INFER_SPLIT = dict(fwd_two_walks=True, fwd_chunk=64, fwd_stages=3)
+
+
+@pytest.mark.parametrize("dtype,K,normalize,row_blocks,layout", [
+    (torch.bfloat16, 128, False, 2, {}), (torch.bfloat16, 128, True, 2, {}), (torch.float32, 128, False, 2, {}),
+    (torch.bfloat16, 128, False, 1, {}), (torch.bfloat16, 64, False, 1, {}), (torch.bfloat16, 96, True, 2, {}),
+    (torch.bfloat16, 128, False, 2, _TRAIN_SPLIT), (torch.bfloat16, 128, True, 2, _TRAIN_SPLIT),
+    (torch.bfloat16, 128, False, 2, _INFER_SPLIT), (torch.bfloat16, 128, True, 2, _INFER_SPLIT),
+    (torch.bfloat16, 96, True, 2, _INFER_SPLIT), (torch.float32, 128, False, 2, dict(fwd_two_walks=True)),
+    (torch.bfloat16, 64, False, 1, dict(fwd_two_walks=True)),
 ])
-def test_split_forward(dtype, K, normalize, row_blocks, poison):
-    """config.fwd_output_pass: a state walk in row blocks, then every chunk's outputs at once (the
-    rule's layout for a bf16 training call at K = V = 128 over at least SPLIT_MIN_CHUNKS chunks,
-    whose walk is one segment: here a long sequence of few heads, its walk made one segment).
-    Outputs, final state and gradients against float64."""
+def test_split_forward(dtype, K, normalize, row_blocks, layout, poison):
+    """config.fwd_output_pass: a state walk in row blocks (``fwd_two_walks``: S's walk, then W's
+    from S's stored chunk states), then every chunk's outputs at once (the rule's layouts for a bf16
+    call at K = V = 128 over enough chunks, whose walk is one segment: here a long sequence of few
+    heads, its walk made one segment). Outputs, final state and gradients against float64."""
     from hla_fast.ops.hla2 import chunk
 
     cuda = torch.device("cuda")
     rule = hla_fast.hla2_config(4, 32768, 16, 128, 128, torch.bfloat16, cuda, training=True)
     assert rule.fwd_output_pass and rule.fwd_row_blocks == chunk.SPLIT_ROW_BLOCKS and rule.fwd_segments == 1
+    assert hla_fast.hla2_config(4, 32768, 16, 128, 128, torch.bfloat16, cuda).fwd_two_walks
     B, T, H = 1, 8195, 2
     q, k, v = rand_qkv(B, T, H, K, K, seed=K, scale=0.2, positive=normalize, device="cuda", dtype=dtype)
     g = rand_gates(B, T, H, seed=K + 1, strength=0.004, device="cuda")
     cfg = hla_fast.hla2_config(B, T, H, K, K, dtype, cuda, gated=True, normalize=normalize, training=True).replace(
-        fwd_segments=1, fwd_output_pass=True, fwd_row_blocks=row_blocks, fwd_warps=4)
+        fwd_segments=1, fwd_output_pass=True, fwd_row_blocks=row_blocks, fwd_warps=4, **layout)
     want, st_want = _ref64(q, k, v, g=g, normalize=normalize)
     o, st = hla_fast.hla2(q, k, v, g=g, normalize=normalize, output_final_state=True, config=cfg)
     assert rel(o, want) < TOL[dtype]
     assert rel(st.S, st_want.S) < TOL[dtype] and rel(st.W, st_want.W) < TOL[dtype]
     _assert_gradients_match(q, k, v, g, 1e-3 if dtype == torch.float32 else 5e-2, normalize, cfg)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_hla3_second_stage_split(gated, poison):
+    """HLA3's second stage in the rule's split layouts at K = V = 128 (bf16, one segment): an
+    inference forward with two state walks in chunks of 64 gives the outputs of float64 within
+    TOL, as the one walk does; a training call's pipelined loads (``fwd_stages``, ``bwd_stages``)
+    change no number: outputs and gradients equal the unpipelined split's to the bit."""
+    from hla_fast.ops.hla3.chunk import first_stage_config
+
+    cuda = torch.device("cuda")
+    B, T, H, K = 1, 8195, 2, 128
+    q, k, v = rand_qkv(B, T, H, K, K, seed=11, scale=0.1, device="cuda", dtype=torch.bfloat16)
+    decay = {"g": rand_gates(B, T, H, seed=12, strength=0.004, device="cuda")} if gated else {"gamma": 0.999}
+    want, _ = hla_fast.hla3(q.double(), k.double(), v.double(), backend="torch",
+                            **{n: (x.double() if torch.is_tensor(x) else x) for n, x in decay.items()})
+    shape = (B, T, H, K, K, torch.bfloat16, cuda)
+    one = hla_fast.hla3_config(*shape, gated=gated).replace(fwd_segments=1)
+    infer = one.replace(fwd_output_pass=True, fwd_row_blocks=2, fwd_warps=4, **_INFER_SPLIT)
+    for second in (one, infer):
+        o, _ = hla_fast.hla3(q, k, v, config=(first_stage_config(*shape), second), **decay)
+        assert rel(o, want) < TOL[torch.bfloat16]
+    split = hla_fast.hla3_config(*shape, gated=gated, training=True).replace(
+        fwd_segments=1, bwd_segments=1, fwd_output_pass=True, fwd_row_blocks=2, fwd_warps=4)
+    runs = []
+    for second in (split, split.replace(**_TRAIN_SPLIT)):
+        ins = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        o, _ = hla_fast.hla3(*ins, config=(first_stage_config(*shape, training=True), second), **decay)
+        o.float().square().sum().backward()
+        runs.append([o] + [x.grad for x in ins])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

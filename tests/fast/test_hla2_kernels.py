@@ -7,7 +7,9 @@ import pytest
 import triton
 import triton.language as tl
 
-from .helpers import rand_gates, rand_qkv, real_calls, ref_hla2, rel, torch
+from .helpers import (
+    HOPPER_SHARED, has_cuda_compiler, rand_gates, rand_qkv, real_calls, ref_hla2, rel, rule_kernels_shared, torch,
+)
 
 import hla_fast
 from hla_fast import ChunkConfig
@@ -78,26 +80,34 @@ def test_segmented_forward_equals_one_walk(segments, normalize, device, poison):
     assert rel(sb[0], sa[0]) < 1e-6 and rel(sb[1], sa[1]) < 1e-6
 
 
-@pytest.mark.parametrize("row_blocks", [1, 2])
+@pytest.mark.parametrize("row_blocks,two_walks", [(1, False), (2, False), (1, True), (2, True)])
 @pytest.mark.parametrize("segments", [1, 2])
 @pytest.mark.parametrize("normalize,cross,rate", [(False, False, 1), (True, False, 1), (False, True, 1),
                                                   (False, False, 2)])
-def test_split_forward_equals_one_walk(row_blocks, segments, normalize, cross, rate, device, poison):
-    """output_pass: a state walk (its key rows split over ``row_blocks`` programs) storing every
-    chunk's start state, then every chunk's outputs at once, gives the one walk's outputs, den,
-    final state and, when asked for, snapshots; with an initial state, gates, segments, a cross
-    pair, normalization and rate 2 (hla3's second stage). The states it stores only for its own
-    outputs are not returned. 45 tokens in chunks of 16; row blocks of the narrowest key tile: keys
-    32 wide in blocks of 16 on a CPU, 128 wide in blocks of 64 on CUDA."""
+def test_split_forward_equals_one_walk(row_blocks, two_walks, segments, normalize, cross, rate, device, poison):
+    """output_pass: a state walk (its key rows split over ``row_blocks`` programs; with
+    ``two_walks`` a walk of S alone in blocks, then one of W and z reading its stored S) storing
+    every chunk's start state, then every chunk's outputs at once, gives the one walk's outputs,
+    den, final state and, when asked for, snapshots; with an initial state, gates, segments, a
+    cross pair, normalization and rate 2 (hla3's second stage). The states it stores only for its
+    own outputs are not returned. Two walks take one segment (a clear error where more would
+    run). 45 tokens
+    in chunks of 16; row blocks of the narrowest key tile: keys 32 wide in blocks of 16 on a CPU,
+    128 wide in blocks of 64 on CUDA."""
     K = 2 * launch.min_key_block(torch.device(device))
     q, k, v, g, S0, W0, z0 = _inputs(device, K=K)
     q2, k2 = (q.flip(-1).contiguous(), k.flip(-1).contiguous()) if cross else (None, None)
     kw = dict(chunk=16, warps=4, block_v=16, segments=segments, normalize=normalize, eps=1e-6, q2=q2, k2=k2,
               rate=rate)
+    split = dict(output_pass=True, row_blocks=row_blocks, two_walks=two_walks)
+    # (fp32 keys 128 wide, on CUDA, walk in one segment whatever is asked: ``chunk.fold_fits``)
+    if two_walks and segments > 1 and chunk.fold_fits(K, q.dtype):
+        with pytest.raises(ValueError, match=f"config.fwd_two_walks needs one forward segment, got {segments}"):
+            chunk.fwd_launch(q, k, v, g, None, S0, W0, z0, **split, **kw)
+        return
     for snap in (None, torch.float32):
         a = chunk.fwd_launch(q, k, v, g, None, S0, W0, z0, snapshots=snap, **kw)
-        b = chunk.fwd_launch(q, k, v, g, None, S0, W0, z0, snapshots=snap, output_pass=True, row_blocks=row_blocks,
-                             **kw)
+        b = chunk.fwd_launch(q, k, v, g, None, S0, W0, z0, snapshots=snap, **split, **kw)
         assert (b[5] is None) == (snap is None)
         for x, y in zip(a[:5] + (tuple(a[5]) if snap else ()), b[:5] + (tuple(b[5]) if snap else ())):
             assert (x is None) == (y is None)
@@ -339,19 +349,31 @@ def test_configuration_rule(monkeypatch):
         rule = hla_fast.hla2_config(4, 32768, 16, K, K, torch.bfloat16, cuda, gated=gated, normalize=normalize)
         assert rule == hla_fast.hla2_config(4, 32768, 16, K, K, torch.bfloat16, cuda).replace(grad_parts=parts)
     c = hla_fast.hla2_config(4, 32768, 16, 128, 128, torch.bfloat16, cuda)
-    # 128 eight-warp programs (two value blocks a head), one a multiprocessor: one segment
-    assert (c.fwd_chunk, c.bwd_chunk, c.fwd_warps, c.fwd_segments, c.bwd_segments) == (32, 32, 8, 1, 1)
+    # inference: split, its state pass two walks (S's in blocks, then W's from S's stored chunk
+    # states) in chunks of 64 with pipelined loads, then every chunk's outputs
+    assert c.fwd_output_pass and c.fwd_two_walks and c.fwd_row_blocks == chunk.SPLIT_ROW_BLOCKS
+    assert (c.fwd_chunk, c.fwd_warps, c.fwd_stages, c.bwd_stages) == (chunk.TWO_WALKS_CHUNK, 4, chunk.SPLIT_STAGES, 1)
+    one = c.replace(fwd_chunk=32, fwd_warps=8, fwd_stages=1, fwd_output_pass=False, fwd_row_blocks=1,
+                    fwd_two_walks=False)
+    # one walk: 128 eight-warp programs (two value blocks a head), one a multiprocessor: one segment
+    assert (one.fwd_chunk, one.bwd_chunk, one.fwd_segments, one.bwd_segments) == (32, 32, 1, 1)
     assert c.save_states and c.bwd_pieces == launch.BWD_PIECES  # 1024 chunks: the walk in pieces
-    assert not c.fwd_output_pass and c.fwd_row_blocks == 1
-    # training: the forward stores its chunk states anyway, so it runs split (a state walk in row
-    # blocks of 4 warps, then every chunk's outputs); the rest of the layout is the same
+    # training: the forward stores its chunk states anyway, so it runs split in the backward's chunks
+    # (one state walk in row blocks of 4 warps, then every chunk's outputs), and both passes
+    # pipeline their loads; the rest of the layout is the one walk's
     t = hla_fast.hla2_config(4, 32768, 16, 128, 128, torch.bfloat16, cuda, training=True)
-    assert t == c.replace(fwd_output_pass=True, fwd_row_blocks=chunk.SPLIT_ROW_BLOCKS, fwd_warps=4)
+    assert t == one.replace(fwd_output_pass=True, fwd_row_blocks=chunk.SPLIT_ROW_BLOCKS, fwd_warps=4,
+                            fwd_stages=chunk.SPLIT_STAGES, bwd_stages=chunk.SPLIT_STAGES)
+    assert hla_fast.hla2_config(4, 8192, 16, 128, 128, torch.bfloat16, cuda).fwd_two_walks   # 128 chunks of 64
     for shape, dtype in [((4, 32768, 16, 64, 64), torch.bfloat16), ((4, 32768, 16, 128, 128), torch.float32),
                          ((4, 4096, 16, 128, 128), torch.bfloat16), ((1, 32768, 2, 128, 128), torch.bfloat16),
-                         ((4, 32768, 16, 64, 128), torch.bfloat16)]:
-        # narrower keys, fp32, fewer than SPLIT_MIN_CHUNKS chunks, a segmented walk, nothing kept
-        assert not hla_fast.hla2_config(*shape, dtype, cuda, training=True).fwd_output_pass, shape
+                         ((4, 32768, 16, 64, 128), torch.bfloat16), ((4, 32768, 16, 128, 129), torch.bfloat16)]:
+        # narrower keys, fp32, fewer than SPLIT_MIN_CHUNKS (TWO_WALKS_MIN_CHUNKS) chunks, a segmented
+        # walk, nothing kept (two backward value blocks: hla3's normalized second stage, whose
+        # forward took 20.7 against 18.7 ms with two walks)
+        for training in (False, True):
+            cfg = hla_fast.hla2_config(*shape, dtype, cuda, training=training)
+            assert not cfg.fwd_output_pass and not cfg.fwd_two_walks and cfg.fwd_stages == cfg.bwd_stages == 1, shape
     c = hla_fast.hla2_config(4, 4096, 16, 128, 128, torch.bfloat16, cuda)
     assert c.bwd_pieces == 1  # 128 chunks: too few to be worth the launches
     c = hla_fast.hla2_config(4, 32768, 16, 64, 128, torch.bfloat16, cuda)
@@ -494,3 +516,20 @@ def test_the_call_asks_the_rule_with_its_gates_and_normalization(gated, normaliz
     asked.clear()
     hla_fast.hla2(q, k, v.requires_grad_(), g=g, gamma=None if gated else 0.9, normalize=normalize, backend="triton")
     assert asked and set(asked) == {(gated, normalize, True)}
+
+
+@pytest.mark.skipif(not has_cuda_compiler(), reason="needs Triton's CUDA backend (compiler and ptxas)")
+def test_split_layouts_fit_hopper_shared_memory():
+    """The rule's split layouts at K = V = 128, T = 32k on an H200-sized device pipeline their loads
+    (``SPLIT_STAGES`` copies of a chunk's tiles in shared memory): every kernel of a training call
+    (one state walk) and of an inference forward (two state walks in chunks of 64), plain and gated
+    and normalized, fits an H200's shared memory by an sm_90 compile."""
+    cases = [dict(B=4, T=32768, H=16, K=128, V=128, dtype="bfloat16", forward_only=fwd, gates=gn, normalize=gn)
+             for fwd in (False, True) for gn in (False, True)]
+    shared = rule_kernels_shared("hla2", cases)
+    names = {name for name, *_ in shared}
+    assert {"hla2_fwd_kernel", "hla2_fwd_output_kernel", "hla2_fwd_key_walk_kernel", "hla2_fwd_value_walk_kernel",
+            "hla2_bwd_state_kernel", "hla2_bwd_grad_kernel"} <= names, names
+    assert all(f"fwd_stages={chunk.SPLIT_STAGES}" in cfg for _, _, cfg in shared)
+    for name, nbytes, cfg in shared:
+        assert nbytes <= HOPPER_SHARED, (name, cfg, nbytes)

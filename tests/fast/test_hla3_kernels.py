@@ -4,14 +4,12 @@ recomputed chunk states, chunk sizes, the two-stage structure claimed in chunk.p
 decode kernel's row and value blocks, head-size limits and the configuration rule. Under
 TRITON_INTERPRET=1 on a CPU, compiled on CUDA."""
 import importlib
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from .helpers import BENCHMARKS, has_cuda_compiler, rand_gates, rand_qkv, real_calls, rel, torch
+from .helpers import (
+    HOPPER_SHARED, has_cuda_compiler, rand_gates, rand_qkv, real_calls, rel, rule_kernels_shared, torch,
+)
 
 import hla_fast
 from hla_fast import ChunkConfig
@@ -301,8 +299,9 @@ def test_wide_keys_are_refused_on_triton_only(device):
 
 def test_config_rule(monkeypatch):
     """HLA3's rule is HLA2's (its second stage runs HLA2's kernels), with the call's gates and
-    whether autograd records it: a long bf16 training call of 128-wide keys on an H200-sized
-    device (132 multiprocessors) runs that stage's forward split, as HLA2's own does."""
+    whether autograd records it: a long bf16 call of 128-wide keys on an H200-sized device (132
+    multiprocessors) runs that stage's forward split, training with one state walk and inference
+    with two, as HLA2's own does."""
     from hla_fast.ops.common import launch
 
     monkeypatch.setattr(launch, "sm_count", lambda device: 132)
@@ -316,8 +315,21 @@ def test_config_rule(monkeypatch):
                 assert (hla_fast.hla3_config(*args, gated=gated, training=training)
                         == hla_fast.hla2_config(*args, gated=gated, training=training))
     long128 = (4, 32768, 16, 128, 128, torch.bfloat16, cuda)
-    assert hla_fast.hla3_config(*long128, training=True).fwd_output_pass
-    assert not hla_fast.hla3_config(*long128).fwd_output_pass
+    train, infer = hla_fast.hla3_config(*long128, training=True), hla_fast.hla3_config(*long128)
+    assert train.fwd_output_pass and not train.fwd_two_walks and infer.fwd_two_walks   # as HLA2's rule
+    # the two rules' pair is a pair the call accepts: the first stage's backward (per-layer kernels)
+    # does not load ahead, though AHLA's rule asks its own backward walk to for an inference call's
+    # layout at 128-wide keys with bf16 dots (which the interpreter does not take: the rule is
+    # asked as on a GPU)
+    monkeypatch.setattr(launch, "interpreter_on", lambda: False)
+    hla_fast.ahla_config.cache_clear()
+    assert hla_fast.ahla_config(*long128).bwd_prefetch
+    for args in (long128, (4, 32768, 16, 64, 64, torch.bfloat16, cuda)):
+        for training in (False, True):
+            pair = (chunk.first_stage_config(*args, training=training), hla_fast.hla3_config(*args, training=training))
+            assert not pair[0].bwd_prefetch and chunk.stage_configs(pair) == pair
+    for rule in (hla_fast.hla2_config, hla_fast.hla3_config, hla_fast.ahla_config):
+        rule.cache_clear()   # nothing cached while the rule saw a GPU's layouts stays
     with pytest.raises(TypeError, match="config must be a ChunkConfig"):
         hla_fast.hla3(*rand_qkv(1, 4, 1, 8, 8), backend="torch", config={"fwd_chunk": 16})
 
@@ -442,43 +454,16 @@ def test_long_sequences_on_the_gpu(dtype, D, one_segment):
 # The launches of one forward and backward with the rule's CUDA configuration (an H200's 132
 # multiprocessors), recorded on meta tensors without running anything, then the kernels they name
 # compiled for Hopper (sm_90) with those arguments: in a fresh interpreter without TRITON_INTERPRET.
-_SHARED = r"""
-import json, sys
-import torch
-sys.path.insert(0, sys.argv[2])   # benchmarks/
-from compile_report import hopper_compile, record_launches
-
-out = []
-for B, T, H, K, V, dtype in json.loads(sys.argv[1]):
-    cfg, launches = record_launches("hla3", B, T, H, K, V, getattr(torch, dtype), gates=True)
-    seen = set()
-    for kernel, _, kw in launches:
-        name = kernel.fn.__name__
-        key = (name, tuple(sorted((n, str(getattr(x, "dtype", x))) for n, x in kw.items())))
-        if key not in seen:
-            seen.add(key)
-            out.append([name, hopper_compile(kernel, kw)[0].metadata.shared, dtype])
-print(json.dumps(out))
-"""
-
-# Hopper's shared memory a block may take (227 KB)
-HOPPER_SHARED = 232448
-
-
 @pytest.mark.skipif(not has_cuda_compiler(), reason="needs triton.compiler.ASTSource, GPUTarget and the CUDA backend")
 def test_rule_kernels_fit_hopper_shared_memory():
     """Every kernel the rule launches for a gated forward + backward at K = V = 128 (the widest
     tiles; fp32 takes tf32x3 products, which keep split copies of the operands) fits an H200's
     shared memory: the first stage's walks without AHLA's second layer and the second stage's
     kernels at rate 2."""
-    cases = [(2, 4099, 4, 128, 128, "bfloat16"), (2, 4099, 4, 128, 128, "float32")]
-    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _SHARED, json.dumps(cases), BENCHMARKS], capture_output=True, text=True,
-                         env=env, timeout=900)
-    assert run.returncode == 0, run.stderr[-4000:]
-    shared = json.loads(run.stdout.strip().splitlines()[-1])
+    cases = [dict(B=2, T=4099, H=4, K=128, V=128, dtype=dtype, gates=True) for dtype in ("bfloat16", "float32")]
+    shared = rule_kernels_shared("hla3", cases)
     names = {name for name, *_ in shared}
     assert {"ahla_fwd_kernel", "ahla_bwd_dh_kernel", "ahla_bwd_layer_kernel", "hla2_fwd_kernel",
             "hla2_bwd_state_kernel", "hla2_bwd_grad_kernel"} <= names, names
-    for name, nbytes, dtype in shared:
-        assert nbytes <= HOPPER_SHARED, (name, dtype, nbytes)
+    for name, nbytes, cfg in shared:
+        assert nbytes <= HOPPER_SHARED, (name, cfg, nbytes)

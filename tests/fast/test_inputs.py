@@ -205,7 +205,11 @@ def test_split_forward_only_where_the_operator_has_it(op, device):
     q, k, v = _qkv(T=40, K=2 * min_key_block(torch.device(device)), device=device)
     cfg = hla_fast.ChunkConfig(fwd_chunk=32, bwd_chunk=32, fwd_block_v=16)   # two chunks
     split = cfg.replace(fwd_output_pass=True, fwd_row_blocks=2)
+    two_walks = split.replace(fwd_two_walks=True)
     if op.name == "ahla":
+        with pytest.raises(ValueError, match="config.fwd_output_pass must be False and config.fwd_row_blocks 1 "
+                                             "for ahla"):
+            op.op(q, k, v, backend="triton", config=two_walks)
         with pytest.raises(ValueError, match="config.fwd_output_pass must be False and config.fwd_row_blocks 1 "
                                              "for ahla"):
             op.op(q, k, v, backend="triton", config=split)
@@ -216,8 +220,9 @@ def test_split_forward_only_where_the_operator_has_it(op, device):
             o.square().sum().backward()
             return [o] + [x.grad for x in ins]
 
-        for a, b in zip(run(cfg), run(split)):
-            assert rel(b, a) < 1e-6
+        for layout in (split, two_walks):
+            for a, b in zip(run(cfg), run(layout)):
+                assert rel(b, a) < 1e-6
     with pytest.raises(TypeError, match="config.fwd_output_pass"):
         cfg.replace(fwd_output_pass=1)
     for bad in (0, 3, True, 2.0):
@@ -225,6 +230,12 @@ def test_split_forward_only_where_the_operator_has_it(op, device):
             cfg.replace(fwd_output_pass=True, fwd_row_blocks=bad)
     with pytest.raises(ValueError, match="config.fwd_row_blocks must be 1 without fwd_output_pass"):
         cfg.replace(fwd_row_blocks=2)
+    with pytest.raises(TypeError, match="config.fwd_two_walks must be True or False, got 1"):
+        split.replace(fwd_two_walks=1)
+    with pytest.raises(ValueError, match="config.fwd_two_walks must be False without fwd_output_pass"):
+        cfg.replace(fwd_two_walks=True)
+    with pytest.raises(ValueError, match="config.fwd_two_walks needs config.fwd_segments=1 .*, got 2"):
+        split.replace(fwd_two_walks=True, fwd_segments=2)
 
 
 @OPS

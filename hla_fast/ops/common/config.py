@@ -70,6 +70,11 @@ class ChunkConfig:
         narrowest key tile, ``common.launch.min_key_block``: 64 rows on CUDA, 16 under the
         interpreter), which never exchange data: row block a of the update reads rows a of the
         state and columns a of K^T only. 1 without ``fwd_output_pass``.
+    fwd_two_walks: with ``fwd_output_pass``, the state walk is two walks: S alone (a first-order
+        walk in blocks of S, storing every chunk's start S), then W (and z) alone, each chunk's
+        update reading S from those stored states instead of carrying it, so that no program holds
+        both states. The states are the one walk's. Needs ``fwd_segments`` of 1. False without
+        ``fwd_output_pass``.
     """
 
     fwd_chunk: int = 64
@@ -90,6 +95,7 @@ class ChunkConfig:
     bwd_layers: bool = False
     fwd_output_pass: bool = False
     fwd_row_blocks: int = 1
+    fwd_two_walks: bool = False
 
     def __post_init__(self):
         for name, choices in _CHOICES.items():
@@ -109,7 +115,8 @@ class ChunkConfig:
             raise ValueError(f"config.grad_parts must be a tuple of masks in 1..7, got {parts!r}")
         if sorted(b for m in parts for b in (1, 2, 4) if m & b) != [1, 2, 4]:
             raise ValueError(f"config.grad_parts must cover dq (1), dk (2) and dv (4) once each, got {parts!r}")
-        for name in ("save_states", "bf16_snapshots", "fwd_prefetch", "bwd_prefetch", "bwd_layers", "fwd_output_pass"):
+        for name in ("save_states", "bf16_snapshots", "fwd_prefetch", "bwd_prefetch", "bwd_layers", "fwd_output_pass",
+                     "fwd_two_walks"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"config.{name} must be True or False, got {getattr(self, name)!r}")
         rb = self.fwd_row_blocks
@@ -118,6 +125,12 @@ class ChunkConfig:
         if rb > 1 and not self.fwd_output_pass:
             raise ValueError(f"config.fwd_row_blocks must be 1 without fwd_output_pass (a walk that computes "
                              f"outputs carries every key row), got {rb}")
+        if self.fwd_two_walks and not self.fwd_output_pass:
+            raise ValueError("config.fwd_two_walks must be False without fwd_output_pass (a walk that computes "
+                             "outputs carries S itself), got True")
+        if self.fwd_two_walks and self.fwd_segments != 1:
+            raise ValueError(f"config.fwd_two_walks needs config.fwd_segments=1 (the two walks run whole "
+                             f"sequences), got {self.fwd_segments}")
 
     def replace(self, **changes) -> "ChunkConfig":
         """A copy with some fields changed (validated again)."""
@@ -125,8 +138,9 @@ class ChunkConfig:
 
 
 def refuse_split_forward(cfg: ChunkConfig, op: str) -> None:
-    """Refuse the fields only HLA2's forward takes (``fwd_output_pass``, ``fwd_row_blocks``) for an
-    operator whose forward walk computes its outputs itself."""
+    """Refuse the fields only HLA2's forward takes (``fwd_output_pass``, ``fwd_row_blocks``,
+    ``fwd_two_walks``, which needs the first) for an operator whose forward walk computes its
+    outputs itself."""
     if cfg.fwd_output_pass or cfg.fwd_row_blocks != 1:
         raise ValueError(f"config.fwd_output_pass must be False and config.fwd_row_blocks 1 for {op} (its forward "
                          f"walk computes the outputs; hla2's may not), got {cfg.fwd_output_pass} and "

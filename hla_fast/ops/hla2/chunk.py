@@ -6,7 +6,9 @@ from a zero state (``hla2_fwd_summary_kernel``) and a small kernel folds them in
 start state (``hla2_fwd_fold_kernel``), so that all segments then run at once. Split
 (``config.fwd_output_pass``): the walk only carries the state and stores every chunk's start
 state, its key rows cut over ``config.fwd_row_blocks`` programs, and ``hla2_fwd_output_kernel``
-computes every chunk's outputs from them at once.
+computes every chunk's outputs from them at once. With ``config.fwd_two_walks`` that state pass is
+two walks, S's alone (``hla2_fwd_key_walk_kernel``) and then W's and z's, reading each chunk's S
+from the first walk's stored states (``hla2_fwd_value_walk_kernel``).
 
 Backward: the chunk-start states (kept by the forward, or recomputed by the forward walk), a walk
 from the last chunk to the first carrying only the state gradients (``hla2_bwd_state_kernel``,
@@ -52,7 +54,8 @@ from ..common.launch import (
 from ..common.normalize import normalized_output_grad
 from .chunk_kernels import (
     hla2_bwd_fold_kernel, hla2_bwd_grad_kernel, hla2_bwd_ones_kernel, hla2_bwd_state_kernel, hla2_fwd_fold_kernel,
-    hla2_fwd_kernel, hla2_fwd_output_kernel, hla2_fwd_summary_kernel,
+    hla2_fwd_kernel, hla2_fwd_key_walk_kernel, hla2_fwd_output_kernel, hla2_fwd_summary_kernel,
+    hla2_fwd_value_walk_kernel,
 )
 
 # widest feature block one program holds (a K x K and a K x V fp32 state on chip)
@@ -69,6 +72,13 @@ SHORT_CHUNKS = 32
 # (``fwd_output_pass``): its state walk in SPLIT_ROW_BLOCKS row blocks, then every chunk's outputs
 SPLIT_MIN_CHUNKS = 256
 SPLIT_ROW_BLOCKS = 2
+# the split's state walks pipeline their loads this deep (Triton's num_stages), and so does the
+# backward of a split training call (its state-gradient walks)
+SPLIT_STAGES = 3
+# a bf16 inference forward of 128-wide key tiles over at least TWO_WALKS_MIN_CHUNKS chunks of
+# TWO_WALKS_CHUNK runs split with two state walks (``fwd_two_walks``): S's, then W's (hla2_config)
+TWO_WALKS_CHUNK = 64
+TWO_WALKS_MIN_CHUNKS = 128
 
 
 def bwd_value_width(K: int) -> int:
@@ -133,10 +143,28 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
       stores its chunk states anyway: a state walk in SPLIT_ROW_BLOCKS row blocks of 4 warps, then
       the outputs of every chunk at once (``fwd_output_pass``): forward + backward at K = V = 128
       24.0 against 27.9 ms at T = 32k, 26.5 against 30.8 with log-gates, 6.15 against 7.19 at
-      T = 8k (``hla2_h200_split_forward_train_k128{,_gates,_8k}.json``). Without states to keep
-      (inference) the split forward was slower (6.34 against 6.04 ms), and at K = V = 64 it did not
+      T = 8k (``hla2_h200_split_forward_train_k128{,_gates,_8k}.json``); at K = V = 64 it did not
       pay (5.14 against 5.19 ms forward + backward, 1.45 against 1.13 forward)
-      (``hla2_h200_split_forward_k128.json``, ``hla2_h200_split_forward_k64.json``).
+      (``hla2_h200_split_forward_k64.json``). Its state walk and the backward's pipeline their
+      loads SPLIT_STAGES deep (``fwd_stages``, ``bwd_stages``): 21.8 against 23.4 ms at T = 32k,
+      24.6 against 26.6 gated (``hla2_h200_split_stages_k128{,_gates}.json``; the forward alone
+      at depth 2 took 22.6, at 4 22.7, at 3 22.4); at K = V = 64 neither pass gained (forward 1.14
+      and 1.68 against 1.13 ms at depths 2 and 3, forward + backward 5.24 and 5.20 against 5.18
+      with the backward's, ``hla2_h200_stages_k64.json``);
+    * a bf16 inference forward of the same heads over at least TWO_WALKS_MIN_CHUNKS chunks of
+      TWO_WALKS_CHUNK: split too, its state pass two walks (``fwd_two_walks``: S's alone in blocks,
+      then W's reading S's stored chunk states), loads pipelined SPLIT_STAGES deep, in chunks of
+      TWO_WALKS_CHUNK: forward 4.79 against 6.02 ms at T = 32k, 1.21 against 1.51 at T = 8k,
+      4.88 against 6.55 gated, 5.23 against 8.23 normalized (``hla2_h200_ab_two_walks_k128{,_8k,
+      _gates,_normalize}.json``, against the one walk in chunks of 32). The one-walk split took
+      6.34 ms unpipelined (``hla2_h200_split_forward_k128.json``), 5.26 pipelined and 6.47 in
+      chunks of 64, whose row blocks spill; two walks in chunks of 32 took 5.66
+      (``hla2_h200_split_stages_k128.json``, ``hla2_h200_two_walks_stages_k128.json``). Not
+      taken for values in two backward value blocks (``keep``: HLA3's normalized second stage,
+      whose forward took 20.7 against 18.7 ms, ``hla3_h200_ab_two_walks_k128_normalize_unkept.json``),
+      nor at K = V = 64, where it walks one segment (1.91 against 1.14 ms,
+      ``hla2_h200_two_walks_k64.json``). The call stores the chunk states (2.1 GB at B = 4,
+      H = 16, T = 32k) until it returns.
     Off CUDA (the interpreter) every walk is one segment. K is the width of one program's key
     tile (a feature block of a wider head). The result is immutable, so it is cached per shape."""
     chunk_size = chunk_or_default(chunk_size)
@@ -166,14 +194,23 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
         fwd_seg = bwd_seg = 1
         if dtype == torch.bfloat16:
             grad_parts = (7,)   # fp32 tiles (fp32 and fp16 inputs) would need 320 KB of shared memory
-    split = (training and keep and dtype == torch.bfloat16 and pow2_block(K) > 64 and fwd_seg == 1
-             and n_fwd >= SPLIT_MIN_CHUNKS)
-    if split:   # the states are stored anyway: carry them in row blocks, then every chunk's outputs at once
-        fwd_warps = 4
+    long_wide = dtype == torch.bfloat16 and pow2_block(K) > 64 and fwd_seg == 1
+    split = training and keep and long_wide and n_fwd >= SPLIT_MIN_CHUNKS
+    two_walks = (not training and keep and long_wide and min(chunk_size, TWO_WALKS_CHUNK) == TWO_WALKS_CHUNK
+                 and cdiv(T, TWO_WALKS_CHUNK) >= TWO_WALKS_MIN_CHUNKS)
+    fwd_stages = bwd_stages = 1
+    if split or two_walks:   # carry the states in row blocks, then every chunk's outputs at once
+        fwd_warps, fwd_stages = 4, SPLIT_STAGES
+    if split:                # the states are stored for the backward anyway
+        bwd_stages = SPLIT_STAGES
+    if two_walks:
+        fwd_chunk = TWO_WALKS_CHUNK
     return ChunkConfig(fwd_chunk=fwd_chunk, bwd_chunk=bwd_chunk, fwd_segments=fwd_seg, bwd_segments=bwd_seg,
-                       fwd_warps=fwd_warps, bwd_warps=bwd_warps, fwd_block_v=block_v, grad_parts=grad_parts,
+                       fwd_warps=fwd_warps, bwd_warps=bwd_warps, fwd_stages=fwd_stages, bwd_stages=bwd_stages,
+                       fwd_block_v=block_v, grad_parts=grad_parts,
                        save_states=keep, bf16_snapshots=True, bwd_pieces=rule_pieces(wide, bwd_seg, n_bwd),
-                       fwd_output_pass=split, fwd_row_blocks=SPLIT_ROW_BLOCKS if split else 1)
+                       fwd_output_pass=split or two_walks, fwd_row_blocks=SPLIT_ROW_BLOCKS if split or two_walks else 1,
+                       fwd_two_walks=two_walks)
 
 
 def fold_fits(BK: int, dtype: torch.dtype) -> bool:
@@ -220,7 +257,7 @@ def _check_rate(rate, normalize):
 
 def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v, q2=None, k2=None, stages=1,
                outputs=True, normalize=False, eps=0.0, store_final=True, snapshots=None, rate=1,
-               output_pass=False, row_blocks=1, launch=launch_kernel):
+               output_pass=False, row_blocks=1, two_walks=False, launch=launch_kernel):
     """Run the forward walk (after the segment summaries and fold when ``segments > 1``).
 
     q, k: [B, T, H, K]; q2, k2: [B, T, H, K2] or None (plain HLA2); v: [B, T, H, V]; g: [B, T, H]
@@ -233,7 +270,9 @@ def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v
     state (in ``snapshots``' dtype, or, when none are asked for, in a buffer of the dots' operand
     dtype freed on return), and ``hla2_fwd_output_kernel`` computes every chunk's outputs from
     them at once. row_blocks: the key rows of S and W are split over this many programs of a
-    state walk (one without outputs, or with ``output_pass``).
+    state walk (one without outputs, or with ``output_pass``). two_walks: with ``output_pass``,
+    that state walk is ``hla2_fwd_key_walk_kernel`` (S alone, in [BR, BR] blocks) and then
+    ``hla2_fwd_value_walk_kernel`` (W and z alone, reading the first walk's S), in one segment.
     Returns (o [B, T, H, V] or None, den [B, T, H] fp32 or None, S_T, W_T, z_T or None,
     (cs_s [B*H, NT, K, K2], cs_w [B*H, NT, K, V], cs_z [B*H, NT, K] or None) or None)."""
     B, T, H, K = q.shape
@@ -281,11 +320,23 @@ def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v
               torch.empty(BH, NT, K, V, device=dev, dtype=held),
               torch.empty(BH, NT, K, device=dev, dtype=f32) if normalize else None)
     walk_out = (None, None) if split else (o, den)
-    launch(hla2_fwd_kernel, (NV * (BK // BR), nseg, BH),
-        q=q, k=k, q2=q2, k2=k2, v=v, g=g, o=walk_out[0], den=walk_out[1],
-        h0_s=h0[0], h0_w=h0[1], h0_z=h0[2], ht_s=ht[0], ht_w=ht[1], ht_z=ht[2],
-        cs_s=None if cs is None else cs[0], cs_w=None if cs is None else cs[1], cs_z=None if cs is None else cs[2],
-        log_gamma=lg, eps=eps, T=T, NS=NS, BR=BR, **kw)
+    if split and two_walks:
+        if nseg > 1:
+            raise ValueError(f"config.fwd_two_walks needs one forward segment, got {nseg}")
+        # -- S alone, then W and z from its stored chunk states ---------------------------------
+        launch(hla2_fwd_key_walk_kernel, (BK // BR, BK // BR, BH),
+            k=k, k2=k2, g=g, h0_s=h0[0], ht_s=ht[0], cs_s=cs[0], log_gamma=lg, T=T,
+            H=H, K=K, K2=K2, BT=chunk, BR=BR, HAS_DECAY=flags["HAS_DECAY"], IS_BF16=flags["IS_BF16"],
+            PREC=flags["PREC"], num_warps=warps, num_stages=stages)
+        launch(hla2_fwd_value_walk_kernel, (NV * (BK // BR), 1, BH),
+            k=k, q2=q2, k2=k2, v=v, g=g, cs_s=cs[0], h0_w=h0[1], h0_z=h0[2], ht_w=ht[1], ht_z=ht[2],
+            cs_w=cs[1], cs_z=cs[2], log_gamma=lg, T=T, BR=BR, **kw)
+    else:
+        launch(hla2_fwd_kernel, (NV * (BK // BR), nseg, BH),
+            q=q, k=k, q2=q2, k2=k2, v=v, g=g, o=walk_out[0], den=walk_out[1],
+            h0_s=h0[0], h0_w=h0[1], h0_z=h0[2], ht_s=ht[0], ht_w=ht[1], ht_z=ht[2],
+            cs_s=None if cs is None else cs[0], cs_w=None if cs is None else cs[1],
+            cs_z=None if cs is None else cs[2], log_gamma=lg, eps=eps, T=T, NS=NS, BR=BR, **kw)
     if split:
         # -- every chunk's outputs from its start state, all chunks at once ----------------------
         launch(hla2_fwd_output_kernel, (NV, NT, BH),
@@ -296,9 +347,10 @@ def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v
 
 def forward_layout(cfg: ChunkConfig) -> dict:
     """``fwd_launch``'s layout keywords for a call's forward in ``cfg``: chunk, segments, warps,
-    value block, stages and the split (``fwd_output_pass``, ``fwd_row_blocks``)."""
+    value block, stages and the split (``fwd_output_pass``, ``fwd_row_blocks``, ``fwd_two_walks``)."""
     return dict(chunk=cfg.fwd_chunk, segments=cfg.fwd_segments, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v,
-                stages=cfg.fwd_stages, output_pass=cfg.fwd_output_pass, row_blocks=cfg.fwd_row_blocks)
+                stages=cfg.fwd_stages, output_pass=cfg.fwd_output_pass, row_blocks=cfg.fwd_row_blocks,
+                two_walks=cfg.fwd_two_walks)
 
 
 def _row_block(BK: int, row_blocks: int, state_walk: bool, device: torch.device) -> int:

@@ -117,14 +117,25 @@ def _chunk_carry(b_kt, b_k2, b_q2t, b_ym, b_v, S, W, z, gl, gC, glv, gCw,
     Three products instead of four, and the K x K2 x V one of S0 (Q2^T Vg) becomes the K x K2 x BT
     one of S0 Q2^T."""
     b_kgt = b_kt * gl[None, :]                                     # (diag(gl) K)^T [BK, BT]
-    b_p = dot(S, b_q2t, IS_BF16, PREC) * gC + dot(b_kgt, b_ym, IS_BF16, PREC)   # P [BK, BT]
-    W_new = W * gCw + dot(b_p, b_v * glv[:, None], IS_BF16, PREC)              # [BK, BV]
-    if NORM:
-        z_new = z * gCw + tl.sum(b_p * glv[None, :], axis=1)                       # [BK]
-    else:
-        z_new = z
+    W_new, z_new = _value_carry(b_kgt, b_q2t, b_ym, b_v, S, W, z, gC, glv, gCw, NORM, IS_BF16, PREC)
     S_new = S * gC + dot(b_kgt, b_k2, IS_BF16, PREC)               # [BK, BK]
     return S_new, W_new, z_new
+
+
+@triton.jit
+def _value_carry(b_kgt, b_q2t, b_ym, b_v, S, W, z, gC, glv, gCw,
+                 NORM: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr):
+    """W and z at the next chunk's start (``_chunk_carry``): W <- gCw W0 + P diag(glv) V with
+    P = gC S0 Q2^T + (diag(gl) K)^T Ym [BR, BT], z the same with V -> 1. S0 enters only as the
+    left factor of one product, so its rows may come from a register carry or from a stored
+    snapshot (``hla2_fwd_value_walk_kernel``)."""
+    b_p = dot(S, b_q2t, IS_BF16, PREC) * gC + dot(b_kgt, b_ym, IS_BF16, PREC)   # P [BR, BT]
+    W_new = W * gCw + dot(b_p, b_v * glv[:, None], IS_BF16, PREC)              # [BR, BV]
+    if NORM:
+        z_new = z * gCw + tl.sum(b_p * glv[None, :], axis=1)                       # [BR]
+    else:
+        z_new = z
+    return W_new, z_new
 
 
 @triton.jit
@@ -302,6 +313,108 @@ def hla2_fwd_output_kernel(
         z = 0.0
     b_o, b_den = _chunk_output(b_q, b_kt, b_q2t, b_ym, b_v, S, W, z, G, g1, g2, NORM, IS_BF16, PREC, RATE)
     _store_output(o, den, off_v, off_g, t, mt, rv, mv, b_o, b_den, eps, i_v == 0, H, V, NORM)
+
+
+@triton.heuristics({
+    "HAS_G": lambda a: a["g"] is not None,
+    "HAS_INIT": lambda a: a["h0_s"] is not None,
+    "STORE_FINAL": lambda a: a["ht_s"] is not None,
+})
+@triton.jit
+def hla2_fwd_key_walk_kernel(
+    k, k2, g,            # k: [B, T, H, K]; k2: [B, T, H, K2]; g: [B, T, H] or None
+    h0_s, ht_s,          # start state fp32 [B*H, K, K2] or None; out: final state fp32 [B*H, K, K2] or None
+    cs_s,                # out: every chunk's start state [B*H, NT, K, K2] (the dots' operand dtype)
+    log_gamma, T,        # log(gamma) (without g), sequence length
+    H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr,
+    HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
+):
+    """The first of a two-walk state pass (``fwd_two_walks``): S alone, a first-order walk
+    S <- gC S0 + (diag(gl) K)^T K2, storing every chunk's start state. One program per block
+    [BR, BR] of S (rows a, columns b) and batch*head: block (a, b) of the update reads only
+    columns a of K^T and columns b of K2, so the blocks never meet. The arithmetic is
+    ``_chunk_carry``'s for S, element for element."""
+    i_r, i_j, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NT = tl.cdiv(T, BT)
+    off_k, off_k2, off_v, off_g = _head_offsets(i_bh, T, H, K, K2, 1)   # (no values here)
+    rt = tl.arange(0, BT)
+    rr = i_r * BR + tl.arange(0, BR)     # rows of S this program carries
+    rc = i_j * BR + tl.arange(0, BR)     # its columns
+    mr, mc = rr < K, rc < K2
+    S = mat_or_zeros(h0_s, i_bh.to(tl.int64) * K * K2, rr, mr, rc, mc, K2, BR, BR, HAS_INIT)   # [BR, BR]
+    for i_c in range(0, NT):
+        t = i_c * BT + rt
+        mt = t < T
+        i_cs = i_bh.to(tl.int64) * NT + i_c
+        store_mat(cs_s + i_cs * K * K2, S, rr, mr, rc, mc, K2)                     # S at the chunk's start
+        G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY, BT <= 32)
+        b_kgt = load_cols(k + off_k, t, mt, rr, mr, H * K, IS_BF16) * gl[None, :]   # (diag(gl) K)^T [BR, BT]
+        b_k2 = load_rows(k2 + off_k2, t, mt, rc, mc, H * K2, IS_BF16)              # K2 [BT, BR]
+        S = S * gC + dot(b_kgt, b_k2, IS_BF16, PREC)                                # [BR, BR]
+    if STORE_FINAL:
+        store_mat(ht_s + i_bh.to(tl.int64) * K * K2, S, rr, mr, rc, mc, K2)
+
+
+@triton.heuristics({
+    "HAS_G": lambda a: a["g"] is not None,
+    "HAS_INIT": lambda a: a["h0_w"] is not None,
+    "STORE_FINAL": lambda a: a["ht_w"] is not None,
+    "NORM": lambda a: a["cs_z"] is not None,
+})
+@triton.jit
+def hla2_fwd_value_walk_kernel(
+    k, q2, k2, v, g,     # k: [B, T, H, K]; q2, k2: [B, T, H, K2]; v: [B, T, H, V]; g: [B, T, H] or None
+    cs_s,                # every chunk's start S [B*H, NT, K, K2] (``hla2_fwd_key_walk_kernel``)
+    h0_w, h0_z,          # start state fp32 [B*H, K, V], [B*H, K] (NORM) or None
+    ht_w, ht_z,          # out: final state fp32 [B*H, K, V], [B*H, K] (NORM); or None
+    cs_w, cs_z,          # out: every chunk's start W [B*H, NT, K, V] (the dots' operand dtype), z fp32
+                         #      [B*H, NT, K] (NORM) or None
+    log_gamma, T,
+    H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr,
+    HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr, RATE: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr, NORM: tl.constexpr,
+):
+    """The second walk of a two-walk state pass: W (and z) alone, reading each chunk's S from the
+    first walk's snapshots instead of carrying it (``_value_carry``: S0 is only a product's left
+    factor). One program per (key-row block, value block) and batch*head, as a split
+    ``hla2_fwd_kernel`` walk, but holding [BR, BV] of W where that one holds S's rows too. The
+    snapshots are what the one walk's dots read (its S rounded to the operand dtype), so W is the
+    one walk's."""
+    i_p, i_bh = tl.program_id(0), tl.program_id(2)
+    i_v, i_r = i_p % tl.cdiv(V, BV), i_p // tl.cdiv(V, BV)         # value block, key-row block
+    NT = tl.cdiv(T, BT)
+    off_k, off_k2, off_v, off_g = _head_offsets(i_bh, T, H, K, K2, V)
+    rt = tl.arange(0, BT)
+    rk, rv, mk, mk2, mv = _feature_ranges(i_v, K, K2, V, BK, BV)
+    rr = i_r * BR + tl.arange(0, BR)     # the key rows of W this program carries
+    mr = rr < K
+    upper = rt[:, None] <= rt[None, :]
+    W = mat_or_zeros(h0_w, i_bh.to(tl.int64) * K * V, rr, mr, rv, mv, V, BR, BV, HAS_INIT)   # [BR, BV]
+    if NORM:
+        z = vec_or_zeros(h0_z, i_bh.to(tl.int64) * K, rr, mr, BR, HAS_INIT)                 # [BR]
+    else:
+        z = 0.0
+    for i_c in range(0, NT):
+        t = i_c * BT + rt
+        mt = t < T
+        b_kt, b_q2t, b_k2, b_v, b_ym, G, g1, g2, gl, gC, bL, glv, gCw = _carry_tiles(
+            k, q2, k2, v, g, off_k, off_k2, off_v, off_g, log_gamma, t, mt, rr, mr, rk, mk2, rv, mv, upper,
+            H, K, K2, V, BT, HAS_G, HAS_DECAY, IS_BF16, PREC, RATE)
+        i_cs = i_bh.to(tl.int64) * NT + i_c
+        store_mat(cs_w + i_cs * K * V, W, rr, mr, rv, mv, V)                        # W at the chunk's start
+        if NORM:
+            if i_v == 0:
+                tl.store(cs_z + i_cs * K + rr, z, mask=mr)
+        S = tl.load(cs_s + i_cs * K * K2 + rr[:, None] * K2 + rk[None, :],
+                    mask=mr[:, None] & mk2[None, :], other=0.0)                    # S0 rows [BR, BK]
+        W, z = _value_carry(b_kt * gl[None, :], b_q2t, b_ym, b_v, S, W, z, gC, glv, gCw, NORM, IS_BF16, PREC)
+    if STORE_FINAL:
+        store_mat(ht_w + i_bh.to(tl.int64) * K * V, W, rr, mr, rv, mv, V)
+        if NORM:
+            if i_v == 0:
+                tl.store(ht_z + i_bh.to(tl.int64) * K + rr, z, mask=mr)
 
 
 @triton.heuristics({

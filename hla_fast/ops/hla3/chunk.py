@@ -105,8 +105,11 @@ def first_stage_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtyp
     128 (chunks of 64 in 4 warps instead of HLA2's 32 in 8), forward + backward 7.57 -> 7.43 and
     34.5 -> 32.1 ms. A ``chunk_size`` of None is DEFAULT_CHUNK here: AHLA's rule would run a bf16
     inference forward of 128-wide keys in chunks of 128, measured for AHLA's walk with its second
-    layer, not for this one."""
-    return ahla_config(B, T, H, K, V, dtype, device, chunk_or_default(chunk_size), training=training)
+    layer, not for this one. Without ``bwd_prefetch``, which AHLA's rule gives its own backward walk
+    at 128-wide keys: this stage's backward runs the per-layer kernels, which do not load ahead (so
+    the pair of both rules passes ``stage_configs``' checks)."""
+    return ahla_config(B, T, H, K, V, dtype, device, chunk_or_default(chunk_size), training=training).replace(
+        bwd_prefetch=False)
 
 
 def first_stage_states(q, k, v, g, gamma, p0, cfg: ChunkConfig, launch=launch_kernel):
