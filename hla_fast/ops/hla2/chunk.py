@@ -196,10 +196,11 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
             grad_parts = (7,)   # fp32 tiles (fp32 and fp16 inputs) would need 320 KB of shared memory
     long_wide = dtype == torch.bfloat16 and pow2_block(K) > 64 and fwd_seg == 1
     split = training and keep and long_wide and n_fwd >= SPLIT_MIN_CHUNKS
-    two_walks = (not training and keep and long_wide and min(chunk_size, TWO_WALKS_CHUNK) == TWO_WALKS_CHUNK
+    two_walks = (not training and keep and long_wide and chunk_size >= TWO_WALKS_CHUNK
                  and cdiv(T, TWO_WALKS_CHUNK) >= TWO_WALKS_MIN_CHUNKS)
+    output_pass = split or two_walks
     fwd_stages = bwd_stages = 1
-    if split or two_walks:   # carry the states in row blocks, then every chunk's outputs at once
+    if output_pass:          # carry the states in row blocks, then every chunk's outputs at once
         fwd_warps, fwd_stages = 4, SPLIT_STAGES
     if split:                # the states are stored for the backward anyway
         bwd_stages = SPLIT_STAGES
@@ -209,7 +210,7 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
                        fwd_warps=fwd_warps, bwd_warps=bwd_warps, fwd_stages=fwd_stages, bwd_stages=bwd_stages,
                        fwd_block_v=block_v, grad_parts=grad_parts,
                        save_states=keep, bf16_snapshots=True, bwd_pieces=rule_pieces(wide, bwd_seg, n_bwd),
-                       fwd_output_pass=split or two_walks, fwd_row_blocks=SPLIT_ROW_BLOCKS if split or two_walks else 1,
+                       fwd_output_pass=output_pass, fwd_row_blocks=SPLIT_ROW_BLOCKS if output_pass else 1,
                        fwd_two_walks=two_walks)
 
 

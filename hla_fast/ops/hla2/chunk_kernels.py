@@ -84,11 +84,19 @@ def _chunk_output(b_q, b_kt, b_q2t, b_ym, b_v, S, W, z, G, g1, g2,
 @triton.jit
 def _store_state(s_base, w_base, z, z_off, S, W, b_z, ri, mi, rk, mk2, rv, mv, first_block,
                  K2: tl.constexpr, V: tl.constexpr, NORM: tl.constexpr):
-    """Store rows ri of a state: S [BR, BK] at s_base and, when NORM, z [BR] at z + z_off by the
-    first value block (they have no value columns); W [BR, BV] at w_base by every block."""
+    """Store rows ri of a state: S [BR, BK] at s_base by the first value block (it has no value
+    columns), and W, z as ``_store_values``."""
     if first_block:
         store_mat(s_base, S, ri, mi, rk, mk2, K2)
-        if NORM:
+    _store_values(w_base, z, z_off, W, b_z, ri, mi, rv, mv, first_block, V, NORM)
+
+
+@triton.jit
+def _store_values(w_base, z, z_off, W, b_z, ri, mi, rv, mv, first_block, V: tl.constexpr, NORM: tl.constexpr):
+    """Store rows ri of W [BR, BV] at w_base (every value block) and, when NORM, of z [BR] at
+    z + z_off (the first value block: z has no value columns)."""
+    if NORM:
+        if first_block:
             tl.store(z + z_off + ri, b_z, mask=mi)
     store_mat(w_base, W, ri, mi, rv, mv, V)
 
@@ -403,18 +411,13 @@ def hla2_fwd_value_walk_kernel(
             k, q2, k2, v, g, off_k, off_k2, off_v, off_g, log_gamma, t, mt, rr, mr, rk, mk2, rv, mv, upper,
             H, K, K2, V, BT, HAS_G, HAS_DECAY, IS_BF16, PREC, RATE)
         i_cs = i_bh.to(tl.int64) * NT + i_c
-        store_mat(cs_w + i_cs * K * V, W, rr, mr, rv, mv, V)                        # W at the chunk's start
-        if NORM:
-            if i_v == 0:
-                tl.store(cs_z + i_cs * K + rr, z, mask=mr)
+        _store_values(cs_w + i_cs * K * V, cs_z, i_cs * K, W, z, rr, mr, rv, mv, i_v == 0, V, NORM)   # at its start
         S = tl.load(cs_s + i_cs * K * K2 + rr[:, None] * K2 + rk[None, :],
-                    mask=mr[:, None] & mk2[None, :], other=0.0)                    # S0 rows [BR, BK]
+                    mask=mr[:, None] & mk2[None, :], other=0.0)   # S0 rows [BR, BK], as stored (the dot's dtype)
         W, z = _value_carry(b_kt * gl[None, :], b_q2t, b_ym, b_v, S, W, z, gC, glv, gCw, NORM, IS_BF16, PREC)
     if STORE_FINAL:
-        store_mat(ht_w + i_bh.to(tl.int64) * K * V, W, rr, mr, rv, mv, V)
-        if NORM:
-            if i_v == 0:
-                tl.store(ht_z + i_bh.to(tl.int64) * K + rr, z, mask=mr)
+        _store_values(ht_w + i_bh.to(tl.int64) * K * V, ht_z, i_bh.to(tl.int64) * K, W, z, rr, mr, rv, mv, i_v == 0,
+                      V, NORM)
 
 
 @triton.heuristics({
