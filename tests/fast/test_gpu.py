@@ -137,8 +137,8 @@ def test_gradients_in_the_rule_layouts(dtype, T, short, poison):
 
 # the layouts of the rule's split forwards: a training call's (one state walk, loads pipelined in
 # both passes) and an inference call's (two state walks in chunks of 64)
-_TRAIN_SPLIT = dict(fwd_stages=3, bwd_stages=3)
-_INFER_SPLIT = dict(fwd_two_walks=True, fwd_chunk=64, fwd_stages=3)
+_TRAIN_SPLIT = dict(fwd_stages=3, bwd_stages=3, fwd_output_block_v=128)
+_INFER_SPLIT = dict(fwd_two_walks=True, fwd_chunk=64, fwd_stages=3, fwd_output_block_v=128)
 
 
 @pytest.mark.parametrize("dtype,K,normalize,row_blocks,layout", [

@@ -80,14 +80,17 @@ def test_segmented_forward_equals_one_walk(segments, normalize, device, poison):
     assert rel(sb[0], sa[0]) < 1e-6 and rel(sb[1], sa[1]) < 1e-6
 
 
-@pytest.mark.parametrize("row_blocks,two_walks", [(1, False), (2, False), (1, True), (2, True)])
+@pytest.mark.parametrize("row_blocks,two_walks,output_block_v", [(1, False, None), (2, False, None), (1, True, None),
+                                                                  (2, True, None), (2, False, 64), (2, True, 64)])
 @pytest.mark.parametrize("segments", [1, 2])
 @pytest.mark.parametrize("normalize,cross,rate", [(False, False, 1), (True, False, 1), (False, True, 1),
                                                   (False, False, 2)])
-def test_split_forward_equals_one_walk(row_blocks, two_walks, segments, normalize, cross, rate, device, poison):
+def test_split_forward_equals_one_walk(row_blocks, two_walks, output_block_v, segments, normalize, cross, rate, device,
+                                       poison):
     """output_pass: a state walk (its key rows split over ``row_blocks`` programs; with
     ``two_walks`` a walk of S alone in blocks, then one of W and z reading its stored S) storing
-    every chunk's start state, then every chunk's outputs at once, gives the one walk's outputs,
+    every chunk's start state, then every chunk's outputs at once (``output_block_v``: in value
+    blocks other than the walk's), gives the one walk's outputs,
     den, final state and, when asked for, snapshots; with an initial state, gates, segments, a
     cross pair, normalization and rate 2 (hla3's second stage). The states it stores only for its
     own outputs are not returned. Two walks take one segment (a clear error where more would
@@ -99,7 +102,7 @@ def test_split_forward_equals_one_walk(row_blocks, two_walks, segments, normaliz
     q2, k2 = (q.flip(-1).contiguous(), k.flip(-1).contiguous()) if cross else (None, None)
     kw = dict(chunk=16, warps=4, block_v=16, segments=segments, normalize=normalize, eps=1e-6, q2=q2, k2=k2,
               rate=rate)
-    split = dict(output_pass=True, row_blocks=row_blocks, two_walks=two_walks)
+    split = dict(output_pass=True, row_blocks=row_blocks, two_walks=two_walks, output_block_v=output_block_v)
     # (fp32 keys 128 wide, on CUDA, walk in one segment whatever is asked: ``chunk.fold_fits``)
     if two_walks and segments > 1 and chunk.fold_fits(K, q.dtype):
         with pytest.raises(ValueError, match=f"config.fwd_two_walks needs one forward segment, got {segments}"):
@@ -353,8 +356,10 @@ def test_configuration_rule(monkeypatch):
     # states) in chunks of 64 with pipelined loads, then every chunk's outputs
     assert c.fwd_output_pass and c.fwd_two_walks and c.fwd_row_blocks == chunk.SPLIT_ROW_BLOCKS
     assert (c.fwd_chunk, c.fwd_warps, c.fwd_stages, c.bwd_stages) == (chunk.TWO_WALKS_CHUNK, 4, chunk.SPLIT_STAGES, 1)
+    # the output pass computes every value column of a 128-wide head in one program
+    assert c.fwd_output_block_v == chunk.OUTPUT_BLOCK_V == 128 and c.fwd_block_v == 64
     one = c.replace(fwd_chunk=32, fwd_warps=8, fwd_stages=1, fwd_output_pass=False, fwd_row_blocks=1,
-                    fwd_two_walks=False)
+                    fwd_two_walks=False, fwd_output_block_v=None)
     # one walk: 128 eight-warp programs (two value blocks a head), one a multiprocessor: one segment
     assert (one.fwd_chunk, one.bwd_chunk, one.fwd_segments, one.bwd_segments) == (32, 32, 1, 1)
     assert c.save_states and c.bwd_pieces == launch.BWD_PIECES  # 1024 chunks: the walk in pieces
@@ -363,7 +368,8 @@ def test_configuration_rule(monkeypatch):
     # pipeline their loads; the rest of the layout is the one walk's
     t = hla_fast.hla2_config(4, 32768, 16, 128, 128, torch.bfloat16, cuda, training=True)
     assert t == one.replace(fwd_output_pass=True, fwd_row_blocks=chunk.SPLIT_ROW_BLOCKS, fwd_warps=4,
-                            fwd_stages=chunk.SPLIT_STAGES, bwd_stages=chunk.SPLIT_STAGES)
+                            fwd_stages=chunk.SPLIT_STAGES, bwd_stages=chunk.SPLIT_STAGES,
+                            fwd_output_block_v=chunk.OUTPUT_BLOCK_V)
     assert hla_fast.hla2_config(4, 8192, 16, 128, 128, torch.bfloat16, cuda).fwd_two_walks   # 128 chunks of 64
     for shape, dtype in [((4, 32768, 16, 64, 64), torch.bfloat16), ((4, 32768, 16, 128, 128), torch.float32),
                          ((4, 4096, 16, 128, 128), torch.bfloat16), ((1, 32768, 2, 128, 128), torch.bfloat16),
@@ -374,6 +380,7 @@ def test_configuration_rule(monkeypatch):
         for training in (False, True):
             cfg = hla_fast.hla2_config(*shape, dtype, cuda, training=training)
             assert not cfg.fwd_output_pass and not cfg.fwd_two_walks and cfg.fwd_stages == cfg.bwd_stages == 1, shape
+            assert cfg.fwd_output_block_v is None, shape
     c = hla_fast.hla2_config(4, 4096, 16, 128, 128, torch.bfloat16, cuda)
     assert c.bwd_pieces == 1  # 128 chunks: too few to be worth the launches
     c = hla_fast.hla2_config(4, 32768, 16, 64, 128, torch.bfloat16, cuda)

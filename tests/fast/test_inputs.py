@@ -206,6 +206,7 @@ def test_split_forward_only_where_the_operator_has_it(op, device):
     cfg = hla_fast.ChunkConfig(fwd_chunk=32, bwd_chunk=32, fwd_block_v=16)   # two chunks
     split = cfg.replace(fwd_output_pass=True, fwd_row_blocks=2)
     two_walks = split.replace(fwd_two_walks=True)
+    wide_out = two_walks.replace(fwd_output_block_v=32)   # outputs in one value block, the walks in two
     if op.name == "ahla":
         with pytest.raises(ValueError, match="config.fwd_output_pass must be False and config.fwd_row_blocks 1 "
                                              "for ahla"):
@@ -213,6 +214,9 @@ def test_split_forward_only_where_the_operator_has_it(op, device):
         with pytest.raises(ValueError, match="config.fwd_output_pass must be False and config.fwd_row_blocks 1 "
                                              "for ahla"):
             op.op(q, k, v, backend="triton", config=split)
+        with pytest.raises(ValueError, match="config.fwd_output_pass must be False and config.fwd_row_blocks 1 "
+                                             "for ahla"):
+            op.op(q, k, v, backend="triton", config=wide_out)
     else:
         def run(c):
             ins = [x.detach().clone().requires_grad_() for x in (q, k, v)]
@@ -220,7 +224,7 @@ def test_split_forward_only_where_the_operator_has_it(op, device):
             o.square().sum().backward()
             return [o] + [x.grad for x in ins]
 
-        for layout in (split, two_walks):
+        for layout in (split, two_walks, wide_out):
             for a, b in zip(run(cfg), run(layout)):
                 assert rel(b, a) < 1e-6
     with pytest.raises(TypeError, match="config.fwd_output_pass"):
@@ -236,6 +240,11 @@ def test_split_forward_only_where_the_operator_has_it(op, device):
         cfg.replace(fwd_two_walks=True)
     with pytest.raises(ValueError, match="config.fwd_two_walks needs config.fwd_segments=1 .*, got 2"):
         split.replace(fwd_two_walks=True, fwd_segments=2)
+    for bad in (8, 24, True, 32.0, "64"):
+        with pytest.raises(ValueError, match=f"config.fwd_output_block_v must be a power of two >= 16, got {bad!r}"):
+            split.replace(fwd_output_block_v=bad)
+    with pytest.raises(ValueError, match="config.fwd_output_block_v must be None without fwd_output_pass .*, got 64"):
+        cfg.replace(fwd_output_block_v=64)
 
 
 @OPS

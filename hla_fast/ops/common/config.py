@@ -75,6 +75,11 @@ class ChunkConfig:
         update reading S from those stored states instead of carrying it, so that no program holds
         both states. The states are the one walk's. Needs ``fwd_segments`` of 1. False without
         ``fwd_output_pass``.
+    fwd_output_block_v: with ``fwd_output_pass``, value columns per program of the output pass (a
+        power of two >= 16, bounded as ``fwd_block_v`` is and, for keys up to 64 wide, at most 64,
+        as the backward's value tiles are), or None for ``fwd_block_v``'s. Each output program
+        reads its chunk's whole S and forms Q S0 whatever its value block, so wider blocks do that
+        once for more columns. None without ``fwd_output_pass``.
     """
 
     fwd_chunk: int = 64
@@ -96,6 +101,7 @@ class ChunkConfig:
     fwd_output_pass: bool = False
     fwd_row_blocks: int = 1
     fwd_two_walks: bool = False
+    fwd_output_block_v: int | None = None
 
     def __post_init__(self):
         for name, choices in _CHOICES.items():
@@ -106,9 +112,15 @@ class ChunkConfig:
             x = getattr(self, name)
             if isinstance(x, bool) or not isinstance(x, int) or x < 1:
                 raise ValueError(f"config.{name} must be an int >= 1, got {x!r}")
-        bv = self.fwd_block_v
-        if isinstance(bv, bool) or not isinstance(bv, int) or bv < 16 or bv & (bv - 1):
-            raise ValueError(f"config.fwd_block_v must be a power of two >= 16, got {bv!r}")
+        for name in ("fwd_block_v", "fwd_output_block_v"):
+            bv = getattr(self, name)
+            if name == "fwd_output_block_v" and bv is None:
+                continue
+            if isinstance(bv, bool) or not isinstance(bv, int) or bv < 16 or bv & (bv - 1):
+                raise ValueError(f"config.{name} must be a power of two >= 16, got {bv!r}")
+        if self.fwd_output_block_v is not None and not self.fwd_output_pass:
+            raise ValueError(f"config.fwd_output_block_v must be None without fwd_output_pass (there is no output "
+                             f"pass), got {self.fwd_output_block_v}")
         parts = self.grad_parts
         if not isinstance(parts, tuple) or not parts or any(isinstance(m, bool) or not isinstance(m, int)
                                                             or not 1 <= m <= 7 for m in parts):

@@ -79,6 +79,8 @@ SPLIT_STAGES = 3
 # TWO_WALKS_CHUNK runs split with two state walks (``fwd_two_walks``): S's, then W's (hla2_config)
 TWO_WALKS_CHUNK = 64
 TWO_WALKS_MIN_CHUNKS = 128
+# a split forward's output pass computes up to OUTPUT_BLOCK_V value columns a program
+OUTPUT_BLOCK_V = TILE_MAX
 
 
 def bwd_value_width(K: int) -> int:
@@ -164,7 +166,12 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
       whose forward took 20.7 against 18.7 ms, ``hla3_h200_ab_two_walks_k128_normalize_unkept.json``),
       nor at K = V = 64, where it walks one segment (1.91 against 1.14 ms,
       ``hla2_h200_two_walks_k64.json``). The call stores the chunk states (2.1 GB at B = 4,
-      H = 16, T = 32k) until it returns.
+      H = 16, T = 32k) until it returns;
+    * a split forward's output pass in value blocks of up to OUTPUT_BLOCK_V columns, so that each
+      chunk's S is read and Q S0 formed once for all 128 values instead of once per 64: at
+      K = V = 128, T = 32k forward + backward 20.9 against 21.8 ms, normalized 24.6 against 25.5,
+      inference forward 4.67 against 4.75 (``hla2_h200_ab_output_block_k128{,_normalize}.json``);
+      by an sm_90 compile no layout of the rule spills in it (``benchmarks/compile_report.py``).
     Off CUDA (the interpreter) every walk is one segment. K is the width of one program's key
     tile (a feature block of a wider head). The result is immutable, so it is cached per shape."""
     chunk_size = chunk_or_default(chunk_size)
@@ -211,7 +218,7 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
                        fwd_block_v=block_v, grad_parts=grad_parts,
                        save_states=keep, bf16_snapshots=True, bwd_pieces=rule_pieces(wide, bwd_seg, n_bwd),
                        fwd_output_pass=output_pass, fwd_row_blocks=SPLIT_ROW_BLOCKS if output_pass else 1,
-                       fwd_two_walks=two_walks)
+                       fwd_two_walks=two_walks, fwd_output_block_v=OUTPUT_BLOCK_V if output_pass else None)
 
 
 def fold_fits(BK: int, dtype: torch.dtype) -> bool:
@@ -258,7 +265,7 @@ def _check_rate(rate, normalize):
 
 def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v, q2=None, k2=None, stages=1,
                outputs=True, normalize=False, eps=0.0, store_final=True, snapshots=None, rate=1,
-               output_pass=False, row_blocks=1, two_walks=False, launch=launch_kernel):
+               output_pass=False, row_blocks=1, two_walks=False, output_block_v=None, launch=launch_kernel):
     """Run the forward walk (after the segment summaries and fold when ``segments > 1``).
 
     q, k: [B, T, H, K]; q2, k2: [B, T, H, K2] or None (plain HLA2); v: [B, T, H, V]; g: [B, T, H]
@@ -274,6 +281,8 @@ def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v
     state walk (one without outputs, or with ``output_pass``). two_walks: with ``output_pass``,
     that state walk is ``hla2_fwd_key_walk_kernel`` (S alone, in [BR, BR] blocks) and then
     ``hla2_fwd_value_walk_kernel`` (W and z alone, reading the first walk's S), in one segment.
+    output_block_v: the output pass's value block request (None: ``block_v``), at most
+    ``bwd_value_width(K)``.
     Returns (o [B, T, H, V] or None, den [B, T, H] fp32 or None, S_T, W_T, z_T or None,
     (cs_s [B*H, NT, K, K2], cs_w [B*H, NT, K, V], cs_z [B*H, NT, K] or None) or None)."""
     B, T, H, K = q.shape
@@ -340,18 +349,22 @@ def fwd_launch(q, k, v, g, gamma, s0, w0, z0, *, chunk, segments, warps, block_v
             cs_z=None if cs is None else cs[2], log_gamma=lg, eps=eps, T=T, NS=NS, BR=BR, **kw)
     if split:
         # -- every chunk's outputs from its start state, all chunks at once ----------------------
-        launch(hla2_fwd_output_kernel, (NV, NT, BH),
+        # (no wider than the backward's value tiles for these keys: 128 columns beside 64-wide key
+        # tiles have crashed on CUDA, ``bwd_value_width``)
+        BVO = value_block(V, block_v if output_block_v is None else min(output_block_v, bwd_value_width(K)), dev)
+        launch(hla2_fwd_output_kernel, (cdiv(V, BVO), NT, BH),
             q=q, k=k, q2=q2, k2=k2, v=v, g=g, o=o, den=den, cs_s=cs[0], cs_w=cs[1], cs_z=cs[2],
-            log_gamma=lg, eps=eps, T=T, **kw)
+            log_gamma=lg, eps=eps, T=T, **dict(kw, BV=BVO))
     return o, den, ht[0], ht[1], ht[2], cs if snapshots is not None else None
 
 
 def forward_layout(cfg: ChunkConfig) -> dict:
     """``fwd_launch``'s layout keywords for a call's forward in ``cfg``: chunk, segments, warps,
-    value block, stages and the split (``fwd_output_pass``, ``fwd_row_blocks``, ``fwd_two_walks``)."""
+    value block, stages and the split (``fwd_output_pass``, ``fwd_row_blocks``, ``fwd_two_walks``,
+    ``fwd_output_block_v``)."""
     return dict(chunk=cfg.fwd_chunk, segments=cfg.fwd_segments, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v,
                 stages=cfg.fwd_stages, output_pass=cfg.fwd_output_pass, row_blocks=cfg.fwd_row_blocks,
-                two_walks=cfg.fwd_two_walks)
+                two_walks=cfg.fwd_two_walks, output_block_v=cfg.fwd_output_block_v)
 
 
 def _row_block(BK: int, row_blocks: int, state_walk: bool, device: torch.device) -> int:
