@@ -25,6 +25,12 @@ def chunk_or_default(chunk_size) -> int:
     return DEFAULT_CHUNK if chunk_size is None else chunk_size
 
 
+def _power_of_two(name: str, x, least: int) -> None:
+    """Refuse a config field ``name`` that is not an int power of two >= ``least`` (a bool is not)."""
+    if isinstance(x, bool) or not isinstance(x, int) or x < least or x & (x - 1):
+        raise ValueError(f"config.{name} must be a power of two >= {least}, got {x!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ChunkConfig:
     """How the chunked kernels of one call are laid out. The result does not depend on it.
@@ -112,12 +118,9 @@ class ChunkConfig:
             x = getattr(self, name)
             if isinstance(x, bool) or not isinstance(x, int) or x < 1:
                 raise ValueError(f"config.{name} must be an int >= 1, got {x!r}")
-        for name in ("fwd_block_v", "fwd_output_block_v"):
-            bv = getattr(self, name)
-            if name == "fwd_output_block_v" and bv is None:
-                continue
-            if isinstance(bv, bool) or not isinstance(bv, int) or bv < 16 or bv & (bv - 1):
-                raise ValueError(f"config.{name} must be a power of two >= 16, got {bv!r}")
+        _power_of_two("fwd_block_v", self.fwd_block_v, 16)
+        if self.fwd_output_block_v is not None:
+            _power_of_two("fwd_output_block_v", self.fwd_output_block_v, 16)
         if self.fwd_output_block_v is not None and not self.fwd_output_pass:
             raise ValueError(f"config.fwd_output_block_v must be None without fwd_output_pass (there is no output "
                              f"pass), got {self.fwd_output_block_v}")
@@ -132,8 +135,7 @@ class ChunkConfig:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"config.{name} must be True or False, got {getattr(self, name)!r}")
         rb = self.fwd_row_blocks
-        if isinstance(rb, bool) or not isinstance(rb, int) or rb < 1 or rb & (rb - 1):
-            raise ValueError(f"config.fwd_row_blocks must be a power of two >= 1, got {rb!r}")
+        _power_of_two("fwd_row_blocks", rb, 1)
         if rb > 1 and not self.fwd_output_pass:
             raise ValueError(f"config.fwd_row_blocks must be 1 without fwd_output_pass (a walk that computes "
                              f"outputs carries every key row), got {rb}")

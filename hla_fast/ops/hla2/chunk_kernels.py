@@ -412,8 +412,7 @@ def hla2_fwd_value_walk_kernel(
             H, K, K2, V, BT, HAS_G, HAS_DECAY, IS_BF16, PREC, RATE)
         i_cs = i_bh.to(tl.int64) * NT + i_c
         _store_values(cs_w + i_cs * K * V, cs_z, i_cs * K, W, z, rr, mr, rv, mv, i_v == 0, V, NORM)   # at its start
-        S = tl.load(cs_s + i_cs * K * K2 + rr[:, None] * K2 + rk[None, :],
-                    mask=mr[:, None] & mk2[None, :], other=0.0)   # S0 rows [BR, BK], as stored (the dot's dtype)
+        S = read_rows(cs_s + i_cs * K * K2, rr, mr, rk, mk2, K2)   # S0 rows [BR, BK], as stored (the dot's dtype)
         W, z = _value_carry(b_kt * gl[None, :], b_q2t, b_ym, b_v, S, W, z, gC, glv, gCw, NORM, IS_BF16, PREC)
     if STORE_FINAL:
         _store_values(ht_w + i_bh.to(tl.int64) * K * V, ht_z, i_bh.to(tl.int64) * K, W, z, rr, mr, rv, mv, i_v == 0,
