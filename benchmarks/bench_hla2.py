@@ -18,7 +18,7 @@ Sections (default order; ``--skip a,b`` drops some, ``--sections a,b`` runs only
                 for the backward (saved-tensor hooks)
     wide        K=V=256, T in {4k, 8k, 16k}: hla_fast against SDPA
     profile     CUDA time per hla2_* kernel of one forward + backward at T=32k (gamma, g, normalize)
-    variants    layouts through ``config=hla_fast.hla2_config(...).replace(...)`` at T=32k (segments,
+    variants    the fused kernels' layouts through ``config=fused_config(...).replace(...)`` at T=32k (segments,
                 chunks, warps, gradient launches, saved states); rows run only while the time budget
                 leaves room for the last section
     accuracy    relative error against the float64 torch path, fp32 and bf16, T 1k..32k
@@ -70,6 +70,7 @@ if ROOT not in sys.path:
 
 import hla_fast  # noqa: E402
 from hla_fast import HLA2State  # noqa: E402
+from hla_fast.ops.hla2.chunk import fused_config  # noqa: E402
 
 SECTIONS = ("decode", "main", "short", "memory", "wide", "profile", "variants", "accuracy", "first_call")
 GAMMA = 0.999
@@ -705,7 +706,7 @@ def render_markdown(res):
                              f"{x['ms_per_step']:.3f} | {x['calls_per_step']:.0f} |")
         lines.append("")
     if res.get("variants"):
-        lines += ["## Layouts (`config=hla2_config(...).replace(...)`, through `hla2()`, gamma, median ms)", "",
+        lines += ["## Layouts (`config=fused_config(...).replace(...)`, through `hla2()`, gamma, median ms)", "",
                   "| K=V | T | pass | change | ms | against default |", "|---|---|---|---|---|---|"]
         base = {(r["K"], r["pass"]): r.get("ms") for r in res["variants"] if r.get("change") == "default"}
         for r in res["variants"]:
@@ -1186,7 +1187,8 @@ def main():
         for D in Ds:
             q, k, v = make_inputs(B, Tv, H, D, D)
             do = torch.randn_like(v)
-            base = hla_fast.hla2_config(B, Tv, H, D, D, q.dtype, q.device)
+            # the fused kernels' layouts (the fields varied are theirs; the rule may take the layers)
+            base = fused_config(B, Tv, H, D, D, q.dtype, q.device)
             defaults[D] = dataclasses.asdict(base)
             put("variant_defaults", defaults)
             for kind, ch in variant_changes(D):

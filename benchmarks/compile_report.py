@@ -79,7 +79,9 @@ def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, 
     import hla_fast
     from hla_fast.ops.common.launch import snapshot_dtype
 
-    rule = getattr(hla_fast, f"{op}_config")
+    # hla2: the fused kernels' rule, whose launchers these are (a call the rule runs as first-order
+    # layers runs AHLA's single-layer kernels: ``--op ahla`` compiles those)
+    rule = chunk.fused_config if op == "hla2" else getattr(hla_fast, f"{op}_config")
     # the rule as the call asks it (a training call unless forward_only; hla3: its second stage's)
     kw = {"training": not forward_only} if op == "ahla" else (
         {"gated": gates, "normalize": normalize, "training": not forward_only} if op == "hla2" else

@@ -231,12 +231,33 @@ class Operator:
     # a non-finite q or k at token t leaves the outputs before t alone; False: only those of the
     # chunks before t's (the operator feeds a row computed from q_t, k_t into a matrix product)
     garbage_within_chunk: bool = True
+    package: str = ""       # its subpackage of hla_fast.ops (and the name its errors give), when not ``name``
+
+    @property
+    def module(self) -> str:
+        return self.package or self.name
+
+
+def hla2_layers(q, k, v, *, backend=None, chunk_size=None, config=None, **kw):
+    """hla2 with its triton calls run as first-order layers (``ChunkConfig.layers``) in chunks of
+    ``chunk_size`` (DEFAULT_CHUNK, 64, when None), whatever the rule would take; other backends and
+    a bad ``chunk_size`` go to hla2 as given (its checks name them)."""
+    if backend == "triton" and config is None and chunk_size in (None, 16, 32, 64, 128):
+        c = chunk_size or 64
+        config = hla_fast.ChunkConfig(fwd_chunk=c, bwd_chunk=c, grad_parts=(7,), layers=True)
+    return hla_fast.hla2(q, k, v, backend=backend, chunk_size=chunk_size, config=config, **kw)
+
+
+def _hla2_state_shapes(B, H, K, V, norm):
+    return {"S": (B, H, K, K), "W": (B, H, K, V), "z": (B, H, K) if norm else None}
 
 
 OPERATORS = [
-    Operator("hla2", hla_fast.hla2, hla_fast.hla2_step, hla_fast.HLA2State,
-             lambda B, H, K, V, norm: {"S": (B, H, K, K), "W": (B, H, K, V), "z": (B, H, K) if norm else None},
+    Operator("hla2", hla_fast.hla2, hla_fast.hla2_step, hla_fast.HLA2State, _hla2_state_shapes,
              ref_hla2, brute_hla2, naive=hla2_naive_quadratic),
+    # as layers, a non-finite k at token t enters the inner layer's product A K as a value row
+    Operator("hla2_layers", hla2_layers, hla_fast.hla2_step, hla_fast.HLA2State, _hla2_state_shapes,
+             ref_hla2, brute_hla2, naive=hla2_naive_quadratic, garbage_within_chunk=False, package="hla2"),
     Operator("ahla", hla_fast.ahla, hla_fast.ahla_step, hla_fast.AHLAState,
              lambda B, H, K, V, norm: {"P": (B, H, K, V), "E": (B, H, K, V), "p": (B, H, K) if norm else None,
                                        "e": (B, H, K) if norm else None},

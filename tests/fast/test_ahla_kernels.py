@@ -362,7 +362,7 @@ for K, V, dtype, normalize in json.loads(sys.argv[1]):
     consts = dict(H=2, K=K, V=Vn, BT=cfg.bwd_chunk, BK=BK, BV=BV, HAS_DECAY=True, IS_BF16=launch.bf16_dots(dtype),
                   PREC=chunk.grad_precision(dtype), HAS_G=True, HAS_DB=True)
     if cfg.bwd_layers:
-        consts.update(HAS_ACC=True, DB_OWN=False)
+        consts.update(HAS_DQ_IN=True, HAS_DK_IN=True, DB_OWN=False, DX_TO_DK=False)
     else:
         consts.update(KEYS_PER_BLOCK=chunk.grad_keys_per_block(launch.cdiv(Vn, BV), BK, dtype), PARTS=cfg.grad_parts[0])
     sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}

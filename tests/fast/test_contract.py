@@ -217,7 +217,7 @@ def test_decode_step_is_one_launch(op, dtype, normalize, device, monkeypatch):
     no torch op (a sum, a division, a cast) follows the launch, whose output would be a new tensor."""
     import importlib
 
-    decode = importlib.import_module(f"hla_fast.ops.{op.name}.decode")
+    decode = importlib.import_module(f"hla_fast.ops.{op.module}.decode")
     made = []
 
     def recording_step_out(v):

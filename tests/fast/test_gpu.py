@@ -125,7 +125,7 @@ def test_gradients_in_the_rule_layouts(dtype, T, short, poison):
     from hla_fast.ops.hla2 import chunk
 
     B, H, K, V = 2, 3, 64, 64
-    cfg = hla_fast.hla2_config(B, T, H, K, V, dtype, torch.device("cuda"))
+    cfg = chunk.fused_config(B, T, H, K, V, dtype, torch.device("cuda"))
     assert (cfg.fwd_segments == 1 and cfg.bwd_segments == 1) == short and cfg.save_states
     assert (cfg.grad_parts == (7,)) == (short and dtype == torch.bfloat16)
     assert chunk.SHORT_CHUNKS >= -(-T // cfg.fwd_chunk) or not short
@@ -133,6 +133,31 @@ def test_gradients_in_the_rule_layouts(dtype, T, short, poison):
     g = rand_gates(B, T, H, seed=T + 1, strength=0.01, device="cuda")
     # fp32: tf32x3 products; fp16: fp32 tiles with tf32 products (10-bit mantissas); bf16: 8-bit operands
     _assert_gradients_match(q, k, v, g, {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype])
+
+
+@pytest.mark.parametrize("dtype,K,normalize,training", [
+    (torch.bfloat16, 128, False, True), (torch.bfloat16, 128, False, False), (torch.bfloat16, 64, False, True),
+    (torch.bfloat16, 64, False, False), (torch.bfloat16, 128, True, True), (torch.float32, 64, False, True),
+])
+def test_layers(dtype, K, normalize, training, poison):
+    """HLA2 as first-order layers (``ChunkConfig.layers``, the rule's layout for a long bf16 call
+    of 64- or 128-wide heads; normalized and fp32 through a config): outputs, final state and
+    gradients (a random initial state, log-gates) against float64."""
+    from hla_fast.ops.hla2 import chunk
+
+    cuda = torch.device("cuda")
+    B, T, H = 1, 8195, 2
+    cfg = chunk.layers_config(B, T, H, K, K + int(normalize), dtype, cuda, training=training)
+    if not normalize and dtype == torch.bfloat16:
+        assert hla_fast.hla2_config(B, T, H, K, K, dtype, cuda, gated=True, training=training) == cfg
+    q, k, v = rand_qkv(B, T, H, K, K, seed=K + 9, scale=0.2, positive=normalize, device="cuda", dtype=dtype)
+    g = rand_gates(B, T, H, seed=K + 10, strength=0.004, device="cuda")
+    want, st_want = _ref64(q, k, v, g=g, normalize=normalize)
+    o, st = hla_fast.hla2(q, k, v, g=g, normalize=normalize, output_final_state=True, config=cfg)
+    assert rel(o, want) < TOL[dtype]
+    assert rel(st.S, st_want.S) < TOL[dtype] and rel(st.W, st_want.W) < TOL[dtype]
+    if training:
+        _assert_gradients_match(q, k, v, g, 1e-3 if dtype == torch.float32 else 5e-2, normalize, cfg)
 
 
 # the layouts of the rule's split forwards: a training call's (one state walk, loads pipelined in
@@ -157,13 +182,13 @@ def test_split_forward(dtype, K, normalize, row_blocks, layout, poison):
     from hla_fast.ops.hla2 import chunk
 
     cuda = torch.device("cuda")
-    rule = hla_fast.hla2_config(4, 32768, 16, 128, 128, torch.bfloat16, cuda, training=True)
+    rule = chunk.fused_config(4, 32768, 16, 128, 128, torch.bfloat16, cuda, training=True)
     assert rule.fwd_output_pass and rule.fwd_row_blocks == chunk.SPLIT_ROW_BLOCKS and rule.fwd_segments == 1
-    assert hla_fast.hla2_config(4, 32768, 16, 128, 128, torch.bfloat16, cuda).fwd_two_walks
+    assert chunk.fused_config(4, 32768, 16, 128, 128, torch.bfloat16, cuda).fwd_two_walks
     B, T, H = 1, 8195, 2
     q, k, v = rand_qkv(B, T, H, K, K, seed=K, scale=0.2, positive=normalize, device="cuda", dtype=dtype)
     g = rand_gates(B, T, H, seed=K + 1, strength=0.004, device="cuda")
-    cfg = hla_fast.hla2_config(B, T, H, K, K, dtype, cuda, gated=True, normalize=normalize, training=True).replace(
+    cfg = chunk.fused_config(B, T, H, K, K, dtype, cuda, gated=True, normalize=normalize, training=True).replace(
         fwd_segments=1, fwd_output_pass=True, fwd_row_blocks=row_blocks, fwd_warps=4, **layout)
     want, st_want = _ref64(q, k, v, g=g, normalize=normalize)
     o, st = hla_fast.hla2(q, k, v, g=g, normalize=normalize, output_final_state=True, config=cfg)
@@ -210,7 +235,9 @@ def test_segments_equal_one_walk(dtype, poison):
     g = rand_gates(2, 8191, 3, seed=7, strength=0.002, device="cuda")
     st0 = hla_fast.HLA2State(torch.randn(2, 3, 64, 64, device="cuda") * 0.1, torch.randn(2, 3, 64, 64, device="cuda") * 0.1)
     want, st_want = _ref64(q, k, v, g=g, initial_state=hla_fast.HLA2State(st0.S.double(), st0.W.double()))
-    base = hla_fast.hla2_config(2, 8191, 3, 64, 64, dtype, q.device)
+    from hla_fast.ops.hla2 import chunk
+
+    base = chunk.fused_config(2, 8191, 3, 64, 64, dtype, q.device)
     for nseg in (1, 7, 128):
         o, st = hla_fast.hla2(q, k, v, g=g, initial_state=st0, output_final_state=True,
                               config=base.replace(fwd_segments=nseg))

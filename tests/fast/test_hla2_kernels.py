@@ -338,20 +338,21 @@ def test_feature_blocks_tile_the_head(K):
 
 
 def test_configuration_rule(monkeypatch):
-    """The rule of hla2_config on an H200-sized device (132 multiprocessors) and on the CPU."""
+    """The fused kernels' rule (``fused_config``, what hla2_config takes where it does not take the
+    first-order layers) on an H200-sized device (132 multiprocessors) and on the CPU."""
     monkeypatch.setattr(launch, "sm_count", lambda device: 132)
-    hla_fast.hla2_config.cache_clear()  # the rule's results are cached per shape and device
+    chunk.fused_config.cache_clear()  # the rule's results are cached per shape and device
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    c = hla_fast.hla2_config(4, 32768, 16, 64, 64, torch.bfloat16, cuda)
+    c = chunk.fused_config(4, 32768, 16, 64, 64, torch.bfloat16, cuda)
     # 64 heads: 4 segments put 256 four-warp programs in one wave of 264
     assert (c.fwd_chunk, c.bwd_chunk, c.fwd_warps, c.fwd_segments, c.bwd_segments) == (64, 64, 4, 4, 4)
     assert c.save_states and c.grad_parts == (1, 6)   # the forward keeps its chunk states for the backward
     # gated and normalized: three gradient launches; either alone, or wider heads: two
     for gated, normalize, K, parts in [(True, True, 64, (1, 2, 4)), (True, False, 64, (1, 6)),
                                        (False, True, 64, (1, 6)), (True, True, 128, (1, 6))]:
-        rule = hla_fast.hla2_config(4, 32768, 16, K, K, torch.bfloat16, cuda, gated=gated, normalize=normalize)
-        assert rule == hla_fast.hla2_config(4, 32768, 16, K, K, torch.bfloat16, cuda).replace(grad_parts=parts)
-    c = hla_fast.hla2_config(4, 32768, 16, 128, 128, torch.bfloat16, cuda)
+        rule = chunk.fused_config(4, 32768, 16, K, K, torch.bfloat16, cuda, gated=gated, normalize=normalize)
+        assert rule == chunk.fused_config(4, 32768, 16, K, K, torch.bfloat16, cuda).replace(grad_parts=parts)
+    c = chunk.fused_config(4, 32768, 16, 128, 128, torch.bfloat16, cuda)
     # inference: split, its state pass two walks (S's in blocks, then W's from S's stored chunk
     # states) in chunks of 64 with pipelined loads, then every chunk's outputs
     assert c.fwd_output_pass and c.fwd_two_walks and c.fwd_row_blocks == chunk.SPLIT_ROW_BLOCKS
@@ -366,11 +367,11 @@ def test_configuration_rule(monkeypatch):
     # training: the forward stores its chunk states anyway, so it runs split in the backward's chunks
     # (one state walk in row blocks of 4 warps, then every chunk's outputs), and both passes
     # pipeline their loads; the rest of the layout is the one walk's
-    t = hla_fast.hla2_config(4, 32768, 16, 128, 128, torch.bfloat16, cuda, training=True)
+    t = chunk.fused_config(4, 32768, 16, 128, 128, torch.bfloat16, cuda, training=True)
     assert t == one.replace(fwd_output_pass=True, fwd_row_blocks=chunk.SPLIT_ROW_BLOCKS, fwd_warps=4,
                             fwd_stages=chunk.SPLIT_STAGES, bwd_stages=chunk.SPLIT_STAGES,
                             fwd_output_block_v=chunk.OUTPUT_BLOCK_V)
-    assert hla_fast.hla2_config(4, 8192, 16, 128, 128, torch.bfloat16, cuda).fwd_two_walks   # 128 chunks of 64
+    assert chunk.fused_config(4, 8192, 16, 128, 128, torch.bfloat16, cuda).fwd_two_walks   # 128 chunks of 64
     for shape, dtype in [((4, 32768, 16, 64, 64), torch.bfloat16), ((4, 32768, 16, 128, 128), torch.float32),
                          ((4, 4096, 16, 128, 128), torch.bfloat16), ((1, 32768, 2, 128, 128), torch.bfloat16),
                          ((4, 32768, 16, 64, 128), torch.bfloat16), ((4, 32768, 16, 128, 129), torch.bfloat16)]:
@@ -378,48 +379,48 @@ def test_configuration_rule(monkeypatch):
         # walk, nothing kept (two backward value blocks: hla3's normalized second stage, whose
         # forward took 20.7 against 18.7 ms with two walks)
         for training in (False, True):
-            cfg = hla_fast.hla2_config(*shape, dtype, cuda, training=training)
+            cfg = chunk.fused_config(*shape, dtype, cuda, training=training)
             assert not cfg.fwd_output_pass and not cfg.fwd_two_walks and cfg.fwd_stages == cfg.bwd_stages == 1, shape
             assert cfg.fwd_output_block_v is None, shape
-    c = hla_fast.hla2_config(4, 4096, 16, 128, 128, torch.bfloat16, cuda)
+    c = chunk.fused_config(4, 4096, 16, 128, 128, torch.bfloat16, cuda)
     assert c.bwd_pieces == 1  # 128 chunks: too few to be worth the launches
-    c = hla_fast.hla2_config(4, 32768, 16, 64, 128, torch.bfloat16, cuda)
+    c = chunk.fused_config(4, 32768, 16, 64, 128, torch.bfloat16, cuda)
     # 64-wide keys keep 64 x 64 tiles, 4 warps and (bf16) chunks of 64: the backward runs two value
     # blocks, so nothing is kept
     assert (c.fwd_warps, c.bwd_warps, c.fwd_segments, c.bwd_segments, c.save_states) == (4, 4, 2, 4, False)
     assert (c.fwd_chunk, c.bwd_chunk) == (64, 64)
     for V in (65, 128, 256):
-        assert hla_fast.hla2_config(4, 32768, 16, 64, V, torch.bfloat16, cuda).fwd_chunk == 64
+        assert chunk.fused_config(4, 32768, 16, 64, V, torch.bfloat16, cuda).fwd_chunk == 64
     # fp32 (tf32x3 tiles) keeps the wide heads' chunks; wider keys keep chunks of 32
-    assert hla_fast.hla2_config(4, 32768, 16, 64, 128, torch.float32, cuda).fwd_chunk == 16
-    assert hla_fast.hla2_config(4, 32768, 16, 128, 64, torch.bfloat16, cuda).fwd_chunk == 32
+    assert chunk.fused_config(4, 32768, 16, 64, 128, torch.float32, cuda).fwd_chunk == 16
+    assert chunk.fused_config(4, 32768, 16, 128, 64, torch.bfloat16, cuda).fwd_chunk == 32
     assert c.bwd_pieces == 1  # a segmented walk is not cut into pieces
     assert chunk.bwd_value_width(64) == 64 and chunk.bwd_value_width(65) == chunk.bwd_value_width(128) == 128
-    c = hla_fast.hla2_config(1, 4096, 2, 64, 64, torch.bfloat16, cuda)
+    c = chunk.fused_config(1, 4096, 2, 64, 64, torch.bfloat16, cuda)
     assert c.fwd_segments == 16  # few heads: many segments, but at least 4 chunks each
     # short sequences (at most SHORT_CHUNKS chunks): one segment, kept states, one gradient launch
-    c = hla_fast.hla2_config(4, 2048, 16, 64, 64, torch.bfloat16, cuda)
+    c = chunk.fused_config(4, 2048, 16, 64, 64, torch.bfloat16, cuda)
     assert (c.fwd_segments, c.bwd_segments, c.save_states, c.grad_parts) == (1, 1, True, (7,))
-    c = hla_fast.hla2_config(4, 8192, 16, 64, 64, torch.bfloat16, cuda)   # 128 chunks: segmented
+    c = chunk.fused_config(4, 8192, 16, 64, 64, torch.bfloat16, cuda)   # 128 chunks: segmented
     assert (c.fwd_segments, c.bwd_segments, c.save_states, c.grad_parts) == (4, 4, True, (1, 6))
     # fp32 (tf32x3 products): one gradient launch per gradient, chunks of 16 for wide heads
-    c = hla_fast.hla2_config(4, 32768, 16, 64, 64, torch.float32, cuda)
+    c = chunk.fused_config(4, 32768, 16, 64, 64, torch.float32, cuda)
     assert (c.bwd_warps, c.grad_parts, c.bwd_segments) == (4, (1, 2, 4), 4)
-    assert hla_fast.hla2_config(4, 2048, 16, 64, 64, torch.float32, cuda).grad_parts == (1, 2, 4)
-    c = hla_fast.hla2_config(4, 2048, 16, 64, 64, torch.float16, cuda)   # fp32 tiles: one launch would not fit
+    assert chunk.fused_config(4, 2048, 16, 64, 64, torch.float32, cuda).grad_parts == (1, 2, 4)
+    c = chunk.fused_config(4, 2048, 16, 64, 64, torch.float16, cuda)   # fp32 tiles: one launch would not fit
     assert (c.fwd_segments, c.bwd_segments, c.grad_parts) == (1, 1, (1, 6))
-    c = hla_fast.hla2_config(4, 32768, 16, 128, 128, torch.float32, cuda)
+    c = chunk.fused_config(4, 32768, 16, 128, 128, torch.float32, cuda)
     assert (c.fwd_chunk, c.bwd_chunk, c.bwd_warps, c.grad_parts, c.save_states) == (16, 16, 8, (1, 2, 4), True)
     # fp32 at key tiles of 128: the fold of segments would not fit in shared memory, one segment
-    assert hla_fast.hla2_config(1, 2049, 2, 128, 128, torch.float32, cuda).fwd_segments == 1
-    assert hla_fast.hla2_config(1, 2049, 2, 128, 128, torch.bfloat16, cuda).fwd_segments > 1
-    assert hla_fast.hla2_config(1, 2049, 2, 64, 64, torch.float32, cuda).fwd_segments > 1
-    c = hla_fast.hla2_config(4, 32768, 16, 64, 64, torch.bfloat16, cpu, chunk_size=128)
+    assert chunk.fused_config(1, 2049, 2, 128, 128, torch.float32, cuda).fwd_segments == 1
+    assert chunk.fused_config(1, 2049, 2, 128, 128, torch.bfloat16, cuda).fwd_segments > 1
+    assert chunk.fused_config(1, 2049, 2, 64, 64, torch.float32, cuda).fwd_segments > 1
+    c = chunk.fused_config(4, 32768, 16, 64, 64, torch.bfloat16, cpu, chunk_size=128)
     assert (c.fwd_chunk, c.bwd_chunk, c.fwd_segments, c.bwd_segments, c.save_states) == (128, 64, 1, 1, False)
     # fp32 forward chunks of 128 do not fit in Hopper's shared memory (FP32_MAX_CHUNK)
-    c = hla_fast.hla2_config(4, 32768, 16, 64, 64, torch.float32, cpu, chunk_size=128)
+    c = chunk.fused_config(4, 32768, 16, 64, 64, torch.float32, cpu, chunk_size=128)
     assert (c.fwd_chunk, c.bwd_chunk, c.save_states) == (64, 64, True)
-    hla_fast.hla2_config.cache_clear()
+    chunk.fused_config.cache_clear()
 
 
 @pytest.mark.parametrize("dtype,K,folds", [(torch.float32, 128, False), (torch.float32, 64, True),
@@ -540,3 +541,83 @@ def test_split_layouts_fit_hopper_shared_memory():
     assert all(f"fwd_stages={chunk.SPLIT_STAGES}" in cfg for _, _, cfg in shared)
     for name, nbytes, cfg in shared:
         assert nbytes <= HOPPER_SHARED, (name, cfg, nbytes)
+
+
+def test_layers_rule(monkeypatch):
+    """hla2_config takes the first-order layers (``layers_config``: AHLA's rule for the same
+    kernels, the backward walking whole sequences) for long bf16 calls of 64- or 128-wide heads,
+    not normalized, and for training 128-wide heads at any length; the fused kernels' rule
+    otherwise (``takes_layers``' measurements)."""
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
+    monkeypatch.setattr(launch, "interpreter_on", lambda: False)   # the rule as a GPU sees it
+    for rule in (hla_fast.hla2_config, chunk.layers_config, chunk.fused_config, hla_fast.ahla_config):
+        rule.cache_clear()
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    for K in (64, 128):
+        for training in (False, True):
+            for gated in (False, True):
+                c = hla_fast.hla2_config(4, 32768, 16, K, K, bf16, cuda, gated=gated, training=training)
+                ahla = hla_fast.ahla_config(4, 32768, 16, K, K, bf16, cuda, training=training)
+                assert c == ahla.replace(bwd_segments=1, bwd_pieces=1, bwd_prefetch=False, bwd_layers=False,
+                                         grad_parts=(7,), layers=True)
+    c = hla_fast.hla2_config(4, 32768, 16, 128, 128, bf16, cuda)
+    assert (c.fwd_chunk, c.fwd_warps, c.fwd_stages) == (128, 8, 2)   # AHLA's inference walk of 128-wide keys
+    c = hla_fast.hla2_config(4, 32768, 16, 128, 128, bf16, cuda, training=True)
+    assert (c.fwd_chunk, c.bwd_chunk, c.save_states) == (64, 64, True)
+    for args, kw in [((4, 32768, 16, 128, 128, bf16), dict(normalize=True)),
+                     ((4, 32768, 16, 128, 128, torch.float32), {}), ((4, 32768, 16, 128, 128, torch.float16), {}),
+                     ((4, 32768, 16, 64, 128, bf16), {}), ((4, 32768, 16, 32, 32, bf16), {}),
+                     ((4, 2048, 16, 64, 64, bf16), dict(training=True)), ((4, 2048, 16, 128, 128, bf16), {})]:
+        c = hla_fast.hla2_config(*args, cuda, **kw)
+        assert not c.layers and c == chunk.fused_config(*args, cuda, **kw), (args, kw)
+    assert hla_fast.hla2_config(4, 2048, 16, 128, 128, bf16, cuda, training=True).layers
+    assert hla_fast.hla2_config(4, 2049, 16, 64, 64, bf16, cuda).layers
+    for rule in (hla_fast.hla2_config, chunk.layers_config, chunk.fused_config, hla_fast.ahla_config):
+        rule.cache_clear()   # nothing the rule cached while it saw a GPU stays
+
+
+def test_layers_config_is_checked(device):
+    """config.layers: refused beside the fields of the fused kernels' backward walk and split
+    forward, for heads wider than one feature block, and by the operators that do not run as
+    layers in both passes."""
+    layers = ChunkConfig(fwd_chunk=16, bwd_chunk=16, grad_parts=(7,), layers=True)
+    for bad in ({"bwd_segments": 2}, {"bwd_pieces": 2}, {"bwd_prefetch": True}, {"bwd_layers": True},
+                {"fwd_output_pass": True}):
+        with pytest.raises(ValueError, match=f"config.layers needs .*, got {bad!r}".replace("{", r"\{")
+                           .replace("}", r"\}")):
+            layers.replace(**bad)
+    with pytest.raises(TypeError, match="config.layers must be True or False, got 1"):
+        layers.replace(layers=1)
+    q, k, v = rand_qkv(1, 5, 1, 130, 8, seed=1, device=device)
+    with pytest.raises(ValueError, match="config.layers needs a head of at most 128 key features .*got K=130"):
+        hla_fast.hla2(q, k, v, gamma=0.9, backend="triton", config=layers)
+    q, k, v = rand_qkv(1, 5, 1, 8, 8, seed=2, device=device)
+    for op, name in ((hla_fast.ahla, "ahla"), (hla_fast.hla3, "hla3")):
+        with pytest.raises(ValueError, match=f"config.layers must be False for {name}"):
+            op(q, k, v, gamma=0.9, backend="triton", config=layers)
+    with pytest.raises(ValueError, match=r"config.layers must be False for hla3's second stage \(config\[1\]\)"):
+        hla_fast.hla3(q, k, v, gamma=0.9, backend="triton", config=(layers.replace(layers=False), layers))
+    # the layers take AHLA's loading ahead, which the fused kernels refuse
+    o, _ = hla_fast.hla2(q, k, v, gamma=0.9, backend="triton", config=layers.replace(fwd_prefetch=True))
+    assert rel(o, ref_hla2(q, k, v, 0.9)) < TOL
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_layers_at_rate_two_equal_the_fused_kernels(gated, device, poison):
+    """The layers at the inner index's rate 2 (hla3's second stage's weights, exp(3 b_t - b_i -
+    2 b_j)): the outer layer decays at 3 g. Outputs, final states and gradients as the fused kernels'."""
+    q, k, v = rand_qkv(1, 41, 2, 16, 24, seed=11, device=device)
+    g = rand_gates(1, 41, 2, seed=12, strength=0.1, device=device) if gated else None
+    gamma = None if gated else 0.9
+
+    def run(cfg):
+        ins = [x.detach().clone().requires_grad_() for x in (q, k, v) + ((g,) if gated else ())]
+        o, S, W, _ = chunk.hla2_chunked(*ins[:3], ins[3] if gated else None, gamma, None, None, None, False, 0.0,
+                                        cfg, rate=2)
+        (o.sin().sum() + S.cos().sum() + W.square().sum()).backward()
+        return [o, S, W] + [x.grad for x in ins]
+
+    fused = run(SMALL.replace(grad_parts=(7,)))
+    layered = run(ChunkConfig(fwd_chunk=16, bwd_chunk=16, grad_parts=(7,), layers=True))
+    for a, b in zip(layered, fused):
+        assert rel(a, b) < TOL

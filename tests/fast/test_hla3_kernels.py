@@ -298,14 +298,16 @@ def test_wide_keys_are_refused_on_triton_only(device):
 
 
 def test_config_rule(monkeypatch):
-    """HLA3's rule is HLA2's (its second stage runs HLA2's kernels), with the call's gates and
+    """HLA3's rule is HLA2's fused kernels' (its second stage runs them), with the call's gates and
     whether autograd records it: a long bf16 call of 128-wide keys on an H200-sized device (132
     multiprocessors) runs that stage's forward split, training with one state walk and inference
     with two, as HLA2's own does."""
     from hla_fast.ops.common import launch
 
     monkeypatch.setattr(launch, "sm_count", lambda device: 132)
-    for rule in (hla_fast.hla2_config, hla_fast.hla3_config):
+    from hla_fast.ops.hla2.chunk import fused_config
+
+    for rule in (fused_config, hla_fast.hla3_config):
         rule.cache_clear()   # cached per shape and device
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     for args in ((4, 32768, 16, 64, 64, torch.bfloat16, cpu), (4, 32768, 16, 128, 128, torch.bfloat16, cpu),
@@ -313,7 +315,7 @@ def test_config_rule(monkeypatch):
         for gated in (False, True):
             for training in (False, True):
                 assert (hla_fast.hla3_config(*args, gated=gated, training=training)
-                        == hla_fast.hla2_config(*args, gated=gated, training=training))
+                        == fused_config(*args, gated=gated, training=training))
     long128 = (4, 32768, 16, 128, 128, torch.bfloat16, cuda)
     train, infer = hla_fast.hla3_config(*long128, training=True), hla_fast.hla3_config(*long128)
     assert train.fwd_output_pass and not train.fwd_two_walks and infer.fwd_two_walks   # as HLA2's rule
@@ -328,7 +330,7 @@ def test_config_rule(monkeypatch):
         for training in (False, True):
             pair = (chunk.first_stage_config(*args, training=training), hla_fast.hla3_config(*args, training=training))
             assert not pair[0].bwd_prefetch and chunk.stage_configs(pair) == pair
-    for rule in (hla_fast.hla2_config, hla_fast.hla3_config, hla_fast.ahla_config):
+    for rule in (fused_config, hla_fast.hla3_config, hla_fast.ahla_config):
         rule.cache_clear()   # nothing cached while the rule saw a GPU's layouts stays
     with pytest.raises(TypeError, match="config must be a ChunkConfig"):
         hla_fast.hla3(*rand_qkv(1, 4, 1, 8, 8), backend="torch", config={"fwd_chunk": 16})

@@ -186,12 +186,12 @@ def test_prefetch_only_where_the_operator_has_it(op, device):
     q, k, v = _qkv(device=device)
     for fields in ({"fwd_prefetch": True}, {"bwd_prefetch": True}):
         cfg = hla_fast.ChunkConfig(fwd_chunk=16, bwd_chunk=16, fwd_block_v=16, **fields)
-        if op.name == "ahla":
+        if op.module == "ahla":
             o, _ = op.op(q, k, v, backend="triton", config=cfg)   # its walks load ahead
             assert o.shape == v.shape
         else:
             with pytest.raises(ValueError, match=f"config.fwd_prefetch and config.bwd_prefetch must be False for "
-                                                 f"{op.name}"):
+                                                 f"{op.module}"):
                 op.op(q, k, v, backend="triton", config=cfg)
     with pytest.raises(TypeError, match="config.fwd_prefetch"):
         cfg.replace(fwd_prefetch=1)
@@ -207,7 +207,7 @@ def test_split_forward_only_where_the_operator_has_it(op, device):
     split = cfg.replace(fwd_output_pass=True, fwd_row_blocks=2)
     two_walks = split.replace(fwd_two_walks=True)
     wide_out = two_walks.replace(fwd_output_block_v=32)   # outputs in one value block, the walks in two
-    if op.name == "ahla":
+    if op.module == "ahla":
         with pytest.raises(ValueError, match="config.fwd_output_pass must be False and config.fwd_row_blocks 1 "
                                              "for ahla"):
             op.op(q, k, v, backend="triton", config=two_walks)
@@ -256,10 +256,10 @@ def test_stages_reach_the_launches(op, device):
     q, k, v = _qkv(T=40, device=device)   # three chunks of 16: two segments
     cfg = hla_fast.ChunkConfig(fwd_chunk=16, bwd_chunk=16, fwd_block_v=16, fwd_segments=2, bwd_segments=2,
                                grad_parts=(7,))
-    chunk = __import__(f"hla_fast.ops.{op.name}.chunk", fromlist=["chunk"])
+    chunk = __import__(f"hla_fast.ops.{op.module}.chunk", fromlist=["chunk"])
     # hla3's forward: the first stage's walk (ahla's without its second layer), then hla2's at rate 2
     fwd_names = {"hla2": ["hla2_fwd_kernel"], "ahla": ["ahla_fwd_kernel"],
-                 "hla3": ["ahla_fwd_kernel", "hla2_fwd_kernel"]}[op.name]
+                 "hla3": ["ahla_fwd_kernel", "hla2_fwd_kernel"]}[op.module]
     outs = []
     for fs, bs in ((1, 1), (3, 2)):
         rec = Recorder()
@@ -268,15 +268,15 @@ def test_stages_reach_the_launches(op, device):
         o, _ = op.op(q_, k_, v_, gamma=0.9, backend="triton", config=c)
         o.sum().backward()
         outs.append((o, q_.grad, k_.grad, v_.grad))
-        state0 = {"hla2": (None,) * 3, "ahla": (None,) * 4, "hla3": (None,)}[op.name]
+        state0 = {"hla2": (None,) * 3, "ahla": (None,) * 4, "hla3": (None,)}[op.module]
         with torch.no_grad():   # the operator's own forward, its launches recorded (nothing runs)
-            getattr(chunk, f"{op.name}_chunked")(q, k, v, None, 0.9, *state0, False, 0.0, c, 16, launch=rec)
+            getattr(chunk, f"{op.module}_chunked")(q, k, v, None, 0.9, *state0, False, 0.0, c, 16, launch=rec)
         for fwd_name in fwd_names:
             walks = [kw["num_stages"] for kern, _, kw in rec.launches
                      if kern.fn.__name__ in (fwd_name, fwd_name.replace("fwd_kernel", "fwd_summary_kernel"))]
             assert len(walks) == 2 and set(walks) == {fs}
         rec = Recorder()
-        if op.name == "hla3":
+        if op.module == "hla3":
             # its second stage's backward (the first stage's per-layer kernels keep their own stages,
             # ahla.chunk.DH_STAGES and LAYER_STAGES, as AHLA's layered backward does)
             from hla_fast.ops.hla2 import chunk as hla2_chunk
@@ -298,14 +298,14 @@ def test_layered_backward_only_where_the_operator_has_it(op, device):
     AHLA refuses it beside the coupled walk's own fields (segments, pieces, loading ahead)."""
     q, k, v = _qkv(device=device)
     cfg = hla_fast.ChunkConfig(fwd_chunk=16, bwd_chunk=16, fwd_block_v=16, bwd_layers=True)
-    if op.name == "ahla":
+    if op.module == "ahla":
         o, _ = op.op(q, k, v, backend="triton", config=cfg)
         assert o.shape == v.shape
         for bad in ({"bwd_segments": 2}, {"bwd_pieces": 2}, {"bwd_prefetch": True}, {"bwd_stages": 2}):
             with pytest.raises(ValueError, match=r"layered backward \(config.bwd_layers\) walks each layer whole"):
                 op.op(q, k, v, backend="triton", config=cfg.replace(**bad))
     else:
-        with pytest.raises(ValueError, match=f"config.bwd_layers must be False for {op.name}"):
+        with pytest.raises(ValueError, match=f"config.bwd_layers must be False for {op.module}"):
             op.op(q, k, v, backend="triton", config=cfg)
     with pytest.raises(TypeError, match="config.bwd_layers"):
         cfg.replace(bwd_layers="yes")

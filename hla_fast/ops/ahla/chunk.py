@@ -42,7 +42,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..common.compile import compile_ahead, launch_kernel
-from ..common.config import DEFAULT_CHUNK, ChunkConfig, refuse_split_forward
+from ..common.config import DEFAULT_CHUNK, ChunkConfig, refuse_layers, refuse_split_forward
 from ..common.gates import log_gamma, reverse_cumsum
 from ..common.launch import (
     autograd_records, bf16_dots, cdiv, dot_precision, min_key_block, min_value_block, one_wave_segments, plan_pieces,
@@ -216,6 +216,7 @@ def _check_config(cfg: ChunkConfig, K: int):
     layered backward (``bwd_layers``) with backward segments, pieces or loading ahead, which are
     the coupled walk's; the split forward of HLA2 (``refuse_split_forward``)."""
     refuse_split_forward(cfg, "ahla")
+    refuse_layers(cfg, "ahla")
     if K > SEGMENT_MAX_K and (cfg.fwd_segments != 1 or cfg.bwd_segments != 1):
         raise ValueError(f"ahla runs keys wider than {SEGMENT_MAX_K} (K={K}) in one segment: config.fwd_segments "
                          f"and config.bwd_segments must be 1, got {cfg.fwd_segments} and {cfg.bwd_segments}")
@@ -407,7 +408,7 @@ def _bwd_layers(q, k, v, do, g, gamma, p0, dht_p, dht_e, cfg: ChunkConfig, state
 
 
 def layer_bwd(q, k, x, dy, g, gamma, h0, dht, want_dh0, cfg: ChunkConfig, *, dq_in=None, dk_in=None,
-              want_db=False, db_own=True, launch=launch_kernel):
+              want_db=False, db_own=True, x_is_k=False, launch=launch_kernel):
     """The backward of one first-order layer Y = LA(Q, K, X) (gated linear attention with state H,
     y_t = q_t^T H_t, H_t = a_t H_{t-1} + k_t x_t^T): a walk over the chunks from last to first
     giving every chunk's end-state gradient (``ahla_bwd_dh_kernel``, programs over key blocks of
@@ -418,6 +419,7 @@ def layer_bwd(q, k, x, dy, g, gamma, h0, dht, want_dh0, cfg: ChunkConfig, *, dq_
     [B, H, K, V]) or None; want_dh0: also the initial state's. dq_in, dk_in: another layer's dq, dk
     (q's dtype; may be the tensors returned) added before storing. want_db: dL/db [B, T, H] fp32
     (without the final state's share) of this layer alone (db_own) or of the sums with dq_in, dk_in.
+    x_is_k: x is k itself (HLA2's inner layer K' = LA(Q, K, K)): the returned dk includes dx.
     Returns dx, dq, dk (inputs' dtypes), dH0 (fp32, or None), db (or None)."""
     B, T, H, K = q.shape
     V = x.shape[-1]
@@ -438,7 +440,7 @@ def layer_bwd(q, k, x, dy, g, gamma, h0, dht, want_dh0, cfg: ChunkConfig, *, dq_
     launch(ahla_bwd_dh_kernel, (cdiv(V, BV), cdiv(K, BKW), BH), q=q, dy=dy, g=g, dh_end=dh_end, dht=dht, dh0=dh0,
            log_gamma=lg, T=T, BK=BKW, num_warps=DH_WARPS, num_stages=DH_STAGES, **kw)
     launch(ahla_bwd_layer_kernel, (NT, BH), q=q, k=k, x=x, dy=dy, g=g, h0=h0, dh_end=dh_end, dx=dx, dq=dq, dk=dk,
-           dq_in=dq_in, dk_in=dk_in, db=db, log_gamma=lg, T=T, DB_OWN=db_own, BK=BK, num_warps=nw,
+           dq_in=dq_in, dk_in=dk_in, db=db, log_gamma=lg, T=T, DB_OWN=db_own, DX_TO_DK=x_is_k, BK=BK, num_warps=nw,
            num_stages=LAYER_STAGES, **kw)
     return dx, dq, dk, dh0, db
 

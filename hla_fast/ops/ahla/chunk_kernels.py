@@ -804,7 +804,8 @@ def _store_layer_db(db, off_g, t, mt, b_q, b_dq, b_k, b_dk, H: tl.constexpr):
 
 @triton.heuristics({
     "HAS_G": lambda a: a["g"] is not None,
-    "HAS_ACC": lambda a: a["dq_in"] is not None,
+    "HAS_DQ_IN": lambda a: a["dq_in"] is not None,
+    "HAS_DK_IN": lambda a: a["dk_in"] is not None,
     "HAS_DB": lambda a: a["db"] is not None,
 })
 @triton.jit
@@ -812,15 +813,16 @@ def ahla_bwd_layer_kernel(
     q, k, x, dy, g,          # q, k: [B, T, H, K]; the layer's value x and output gradient dy [B, T, H, V]; g or None
     h0, dh_end,              # the layer's chunk-start snapshots and chunk-end state gradients [B*H, NT, K, V]
     dx, dq, dk,              # out: dx [B, T, H, V] (x's dtype); dq, dk [B, T, H, K]
-    dq_in, dk_in,            # the other layer's dq, dk to add (may be dq, dk themselves); or None
+    dq_in, dk_in,            # the other layer's dq, dk to add (may be dq, dk themselves); each or None
     db,                      # out: dL/db_t = q_t.dq_t - k_t.dk_t (without the final state's share) fp32 [B, T, H]; or None
     log_gamma, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
-    HAS_G: tl.constexpr, HAS_ACC: tl.constexpr, HAS_DB: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_DQ_IN: tl.constexpr, HAS_DK_IN: tl.constexpr, HAS_DB: tl.constexpr,
     DB_OWN: tl.constexpr,    # db of this layer's dq, dk alone (hla3's stages have other factors), else
                              #   of the sums with dq_in, dk_in (AHLA's two layers share theirs)
+    DX_TO_DK: tl.constexpr,  # the value is the key itself (HLA2's K' = LA(Q, K, K), V = K): dk gains dx
 ):
     """One program per (chunk, batch*head): one first-order layer's gradients of a chunk,
     Y = diag(g1) Q H0 + A X with A = (Q K^T) o G and the state's end H = gC H0 + Kg^T X:
@@ -830,9 +832,11 @@ def ahla_bwd_layer_kernel(
 
     dM, dY H0^T and X dH^T are sums over the value columns: the loop over value blocks sums
     them, and the two products with the key tiles follow once. dM^T comes from its own dot of
-    loaded tiles (X dY^T o G^T), as A^T (K Q^T o G^T). With HAS_ACC the other layer's dq_in,
+    loaded tiles (X dY^T o G^T), as A^T (K Q^T o G^T). With HAS_DQ_IN, HAS_DK_IN the other layer's dq_in,
     dk_in (stored in dq's dtype) are added before storing; the gate gradient db needs the sum,
-    so it comes with the second layer (DB_OWN: db of this layer's share alone)."""
+    so it comes with the second layer (DB_OWN: db of this layer's share alone). With DX_TO_DK
+    (x is k) the key's gradient through the value slot, dX, is read back once the loop has stored
+    all its blocks (after a barrier: other threads of the program stored them) and added to dk."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     NT = tl.cdiv(T, BT)
     off_k, off_v, off_g = _head_offsets(i_bh, T, H, K, V)
@@ -879,9 +883,13 @@ def ahla_bwd_layer_kernel(
     m_tk = mt[:, None] & mk[None, :]
     if HAS_DB and DB_OWN:        # this layer's share, before the other layer's dq, dk are added
         _store_layer_db(db, off_g, t, mt, b_q, b_dq, b_k, b_dk, H)
-    if HAS_ACC:
+    if HAS_DQ_IN:
         b_dq += tl.load(dq_in + p_k, mask=m_tk, other=0.0).to(tl.float32)
+    if HAS_DK_IN:
         b_dk += tl.load(dk_in + p_k, mask=m_tk, other=0.0).to(tl.float32)
+    if DX_TO_DK:                 # dX [BT, V = K], as stored above
+        tl.debug_barrier()
+        b_dk += tl.load(dx + p_k, mask=m_tk, other=0.0).to(tl.float32)
     tl.store(dq + p_k, b_dq.to(dq.dtype.element_ty), mask=m_tk)
     tl.store(dk + p_k, b_dk.to(dk.dtype.element_ty), mask=m_tk)
     if HAS_DB and not DB_OWN:    # the sums' (AHLA's two layers)

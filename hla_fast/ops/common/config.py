@@ -86,6 +86,13 @@ class ChunkConfig:
         as the backward's value tiles are), or None for ``fwd_block_v``'s. Each output program
         reads its chunk's whole S and forms Q S0 whatever its value block, so wider blocks do that
         once for more columns. None without ``fwd_output_pass``.
+    layers: both passes run the operator as first-order layers (gated linear attention, AHLA's
+        single-layer forward walk and per-layer backward kernels): HLA2 as K' = LA(Q, K, K) with
+        state S, then O = LA(Q, K', V) at twice the log-gates with state W (``hla2.chunk``). The
+        forward fields then lay out each layer's walk as they do AHLA's (``fwd_prefetch`` too),
+        the backward takes ``bwd_chunk`` and ``bwd_warps``. Needs no ``fwd_output_pass``,
+        ``bwd_segments`` and ``bwd_pieces`` of 1, no ``bwd_prefetch`` and no ``bwd_layers``. HLA2;
+        AHLA (whose ``bwd_layers`` is its own) and HLA3 take only False.
     """
 
     fwd_chunk: int = 64
@@ -108,6 +115,7 @@ class ChunkConfig:
     fwd_row_blocks: int = 1
     fwd_two_walks: bool = False
     fwd_output_block_v: int | None = None
+    layers: bool = False
 
     def __post_init__(self):
         for name, choices in _CHOICES.items():
@@ -131,7 +139,7 @@ class ChunkConfig:
         if sorted(b for m in parts for b in (1, 2, 4) if m & b) != [1, 2, 4]:
             raise ValueError(f"config.grad_parts must cover dq (1), dk (2) and dv (4) once each, got {parts!r}")
         for name in ("save_states", "bf16_snapshots", "fwd_prefetch", "bwd_prefetch", "bwd_layers", "fwd_output_pass",
-                     "fwd_two_walks"):
+                     "fwd_two_walks", "layers"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"config.{name} must be True or False, got {getattr(self, name)!r}")
         rb = self.fwd_row_blocks
@@ -145,6 +153,14 @@ class ChunkConfig:
         if self.fwd_two_walks and self.fwd_segments != 1:
             raise ValueError(f"config.fwd_two_walks needs config.fwd_segments=1 (the two walks run whole "
                              f"sequences), got {self.fwd_segments}")
+        if self.layers:
+            clash = {name: getattr(self, name) for name, ok in (
+                ("fwd_output_pass", False), ("bwd_segments", 1), ("bwd_pieces", 1), ("bwd_prefetch", False),
+                ("bwd_layers", False)) if getattr(self, name) != ok}
+            if clash:
+                raise ValueError(f"config.layers needs fwd_output_pass=False, bwd_segments=1, bwd_pieces=1, "
+                                 f"bwd_prefetch=False and bwd_layers=False (each layer's backward walks whole "
+                                 f"sequences by its own kernels), got {clash}")
 
     def replace(self, **changes) -> "ChunkConfig":
         """A copy with some fields changed (validated again)."""
@@ -159,6 +175,13 @@ def refuse_split_forward(cfg: ChunkConfig, op: str) -> None:
         raise ValueError(f"config.fwd_output_pass must be False and config.fwd_row_blocks 1 for {op} (its forward "
                          f"walk computes the outputs; hla2's may not), got {cfg.fwd_output_pass} and "
                          f"{cfg.fwd_row_blocks}")
+
+
+def refuse_layers(cfg: ChunkConfig, op: str) -> None:
+    """Refuse ``layers`` for an operator that does not run as first-order layers in both passes."""
+    if cfg.layers:
+        raise ValueError(f"config.layers must be False for {op} (only hla2 runs as first-order layers in both "
+                         f"passes; ahla's backward has bwd_layers), got True")
 
 
 def refuse_ahla_fields(cfg: ChunkConfig, op: str) -> None:

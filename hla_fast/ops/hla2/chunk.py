@@ -45,7 +45,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..common.compile import compile_ahead, launch_kernel
-from ..common.config import ChunkConfig, chunk_or_default, refuse_ahla_fields
+from ..ahla.chunk import ahla_config, layer_bwd, layer_fwd
+from ..common.config import DEFAULT_CHUNK, ChunkConfig, chunk_or_default, refuse_ahla_fields
 from ..common.gates import log_gamma, reverse_cumsum
 from ..common.launch import (
     autograd_records, bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments,
@@ -95,7 +96,53 @@ def bwd_value_width(K: int) -> int:
 def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: torch.device,
                 chunk_size: int | None = None, gated: bool = False, normalize: bool = False,
                 training: bool = False) -> ChunkConfig:
-    """The default layout for one call, by the measurements in ``benchmarks/results/``
+    """The default layout for one call (the arguments as :func:`fused_config`'s): the first-order
+    layers (:func:`layers_config`) where :func:`takes_layers` says they were measured faster, else
+    the fused kernels' rule (:func:`fused_config`). The result is immutable, so it is cached."""
+    if takes_layers(T, K, V, dtype, normalize, training):
+        return layers_config(B, T, H, K, V + int(normalize), dtype, device, chunk_size, training)
+    return fused_config(B, T, H, K, V, dtype, device, chunk_size, gated, normalize, training)
+
+
+def takes_layers(T: int, K: int, V: int, dtype: torch.dtype, normalize: bool, training: bool) -> bool:
+    """Whether the rule runs a call as first-order layers (``ChunkConfig.layers``): bf16, not
+    normalized, key and value tiles of one width, 64 or 128 (the heads measured), over more than
+    SHORT_CHUNKS chunks of 64, or training 128-wide heads at any length. Timed in one process
+    against the fused kernels' rule (bf16, B = 4, H = 16, forward / forward + backward, ms;
+    ``python benchmarks/ab_revision.py --rev dc71992 --dims 128,64 [--gates | --normalize]``,
+    ``--T 2048``; ``benchmarks/results/hla2_h200_ab_layers{,_gates,_normalize,_2k}.json``):
+
+    * T = 32k, K = V = 128: 4.68 -> 3.11 and 21.0 -> 11.9; with log-gates 4.77 -> 3.39 and
+      23.9 -> 13.7; K = V = 64: 1.14 -> 1.02 and 5.22 -> 4.07; gated 1.35 -> 1.25 and 6.49 -> 5.01;
+      the training peak beyond the inputs 5.93 -> 5.37 GB at 128, 1.36 -> 1.88 GB at 64;
+    * normalized (the layers on [v | 1], one more value column): slower, 5.14 -> 8.66 and
+      24.8 -> 28.6 at K = V = 128, 1.50 -> 3.59 and 7.13 -> 17.1 at 64, so the rule keeps the fused
+      kernels, which carry the ones column as z beside W;
+    * T = 2048: K = V = 64 0.16 -> 0.94 and 0.72 -> 1.70 (the fused rule's short layout: one
+      segment, three launches), K = V = 128 0.38 -> 0.47 and 1.75 -> 1.37."""
+    BK, BV = pow2_block(K), pow2_block(V)
+    if dtype != torch.bfloat16 or normalize or BK != BV or BK not in (64, 128):
+        return False
+    return cdiv(T, DEFAULT_CHUNK) > SHORT_CHUNKS or (training and BK == 128)
+
+
+@functools.lru_cache(maxsize=4096)
+def layers_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: torch.device,
+                  chunk_size: int | None = None, training: bool = False) -> ChunkConfig:
+    """The layout of HLA2 as first-order layers (``ChunkConfig.layers``): AHLA's rule for the
+    same first-order kernels (``ahla.chunk.ahla_config``, which measured them: chunks of 128 in
+    8 warps for a bf16 inference forward of 128-wide keys, chunks of 64 for training, whose
+    forward keeps its chunk states), with the backward walking whole sequences by the per-layer
+    kernels. V: the values the outer layer sees (V + 1 when normalizing). Cached (immutable)."""
+    return ahla_config(B, T, H, K, V, dtype, device, chunk_size, training=training).replace(
+        bwd_segments=1, bwd_pieces=1, bwd_prefetch=False, bwd_layers=False, grad_parts=(7,), layers=True)
+
+
+@functools.lru_cache(maxsize=4096)
+def fused_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: torch.device,
+                 chunk_size: int | None = None, gated: bool = False, normalize: bool = False,
+                 training: bool = False) -> ChunkConfig:
+    """The layout of the fused kernels for one call, by the measurements in ``benchmarks/results/``
     (summarized, with the numbers, in hla_fast/README.md, "The configuration rule"); a
     ``chunk_size`` of None stands for DEFAULT_CHUNK (64); ``training``: autograd records the call
     (its forward keeps the chunk states for the backward):
@@ -584,6 +631,104 @@ class HLA2ChunkFunction(torch.autograd.Function):
         return dq, dk, dq2, dk2, dv, dg, ds0, dw0, dz0, None, None, None, None, None, None
 
 
+def outer_decay(g, gamma, rate):
+    """The outer layer's decay: the log-gates or gamma at 1 + rate times (its weight
+    exp((1 + c)(b_t - b_j)) for the inner index's rate c); g in fp32, so that a factor of 3 stays
+    exact where it would round in bf16."""
+    return (None if g is None else g.float() * (1 + rate)), (None if gamma is None else gamma ** (1 + rate))
+
+
+def _t(x):
+    """x^T over the last two dims, contiguous (None stays None). S is symmetric whenever it is a
+    sum of k k^T, but an initial state need not be: the inner layer reads q^T S0, HLA2 S0 q."""
+    return None if x is None else x.transpose(-1, -2).contiguous()
+
+
+class HLA2LayersFunction(torch.autograd.Function):
+    """Autograd of HLA2 as two first-order layers (``ChunkConfig.layers``). With gated linear
+    attention LA(Q, K, X; c g)_t = sum_{j <= t} exp(c (b_t - b_j)) (q_t . k_j) x_j, HLA2's weight
+    splits at the inner index j,
+
+        exp((1 + c) b_t - b_i - c b_j) = exp((1 + c)(b_t - b_j)) exp(b_j - b_i),
+
+    so o = LA(Q, K', V; (1 + c) g) with K'_j = sum_{i <= j} exp(b_j - b_i) (q_j . k_i) k_i =
+    S_j q_j = LA(Q, K, K; g)_j: the inner layer's state is HLA2's S, the outer's W (c = rate, 1
+    for HLA2). The forward runs AHLA's single-layer walk twice (``ahla.chunk.layer_fwd``) and keeps
+    K' (in q's dtype) and, for the backward, both layers' chunk-start states; the backward runs the
+    outer layer's first-order backward (dq, dK', dv), then the inner's from dK' as its output
+    gradient (``ahla.chunk.layer_bwd``: it adds the outer's dq, and the gradient through its value
+    slot to dk, in the same launch). dL/db is (1 + c) times the outer layer's q.dq - K'.dK' plus the
+    inner's q.dq - k.dk (each layer is the ungated one on e^{cb} q, e^{-cb} k), plus the final
+    states' share.
+
+    forward(q [B,T,H,K], k, v [B,T,H,V], g [B,T,H] | None, s0 [B,H,K,K] | None, w0 [B,H,K,V] | None,
+    gamma, cfg, rate, launch) -> (o [B,T,H,V] in v's dtype, S_T, W_T fp32). The backward is not
+    itself differentiable (it raises if asked)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, s0, w0, gamma, cfg, rate, launch):
+        ctx.set_materialize_grads(False)
+        grads = any(ctx.needs_input_grad[:6])
+        keep = grads and cfg.save_states and cfg.fwd_chunk == cfg.bwd_chunk
+        g_out, gamma_out = outer_decay(g, gamma, rate)
+        # -- inner layer: K' = LA(Q, K, K) from S0 (the layer's state is S^T: it reads q^T S) -----
+        kp, sT, cs_s = layer_fwd(q, k, k, g, gamma, _t(s0), cfg, keep_states=keep, launch=launch)
+        sT = _t(sT)
+        # -- outer layer: O = LA(Q, K', V) at (1 + rate) g from W0 --------------------------------
+        o, wT, cs_w = layer_fwd(q, kp, v, g_out, gamma_out, w0, cfg, keep_states=keep, launch=launch)
+        final = (sT, wT) if g is not None and ctx.needs_input_grad[3] else (None, None)
+        ctx.save_for_backward(q, k, v, g, g_out, s0, w0, kp, *final, cs_s, cs_w)
+        ctx.gamma, ctx.cfg, ctx.rate, ctx.launch = gamma, cfg, rate, launch
+        return o, sT, wT
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do, dsT, dwT):
+        q, k, v, g, g_out, s0, w0, kp, sT, wT, cs_s, cs_w = ctx.saved_tensors
+        cfg, gamma, rate, launch = ctx.cfg, ctx.gamma, ctx.rate, ctx.launch
+        gamma_out = outer_decay(None, gamma, rate)[1]
+        want_dg = g is not None and ctx.needs_input_grad[3]
+        if do is None:
+            do = torch.zeros_like(v)
+        if cs_s is None:
+            # the forward kept no states (or walked other chunks): both layers' at the backward's chunk
+            again = cfg.replace(fwd_chunk=cfg.bwd_chunk, fwd_warps=cfg.bwd_warps, fwd_stages=1)
+            cs_s = layer_fwd(q, k, k, g, gamma, s0, again, keep_states=True, launch=launch)[2]
+            cs_w = layer_fwd(q, kp, v, g_out, gamma_out, w0, again, keep_states=True, launch=launch)[2]
+        # -- outer layer: dv, dq, dK' (and its share of dL/db at rate 1 + c) ----------------------
+        dv, dq, dkp, dw0, db_out = layer_bwd(q, kp, v, do.contiguous(), g_out, gamma_out, cs_w, dwT, w0 is not None,
+                                             cfg, want_db=want_dg, db_own=True, launch=launch)
+        # -- inner layer from dK': dq added to the outer's, dk with its value slot's --------------
+        _, dq, dk, ds0, db_in = layer_bwd(q, k, k, dkp, g, gamma, cs_s, _t(dsT), s0 is not None, cfg, dq_in=dq,
+                                          want_db=want_dg, db_own=True, x_is_k=True, launch=launch)
+        ds0 = _t(ds0)
+        dg = None
+        if want_dg:
+            db = db_in + (1 + rate) * db_out
+            # S_T carries exp(b_T - b_i), W_T exp((1 + c) b_T - b_i - c b_j): their share of dL/db_T
+            for x, dx, w in ((sT, dsT, 1.0), (wT, dwT, 1.0 + rate)):
+                if dx is not None:
+                    db[:, -1] += w * (x * dx.float()).sum((-1, -2))
+            dg = reverse_cumsum(db).to(g.dtype)
+        return dq, dk, dv, dg, ds0, dw0, None, None, None, None
+
+
+def _layers_call(q, k, v, g, gamma, s0, w0, z0, normalize, eps, cfg, rate, launch):
+    """HLA2 as first-order layers (:class:`HLA2LayersFunction`); normalized, on [v | 1] (W's last
+    column is z) with the quotient taken here. Returns as :func:`hla2_chunked`."""
+    _check_rate(rate, normalize)
+    V = v.shape[-1]
+    if normalize:
+        v = torch.cat([v, torch.ones_like(v[..., :1])], -1)
+        if s0 is not None:
+            z0 = torch.zeros_like(w0[..., 0]) if z0 is None else z0
+            w0 = torch.cat([w0, z0[..., None]], -1).contiguous()
+    o, S, W = HLA2LayersFunction.apply(q, k, v, g, s0, w0, gamma, cfg, rate, launch)
+    if not normalize:
+        return o, S, W, None
+    return (o[..., :V].float() / (o[..., V:].float() + eps)).to(v.dtype), S, W[..., :V], W[..., V]
+
+
 def _feature_blocks(K):
     """Bounds of feature blocks at most FEATURE_BLOCK wide, as even as possible (one block when
     K <= TILE_MAX)."""
@@ -604,7 +749,12 @@ def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chu
     A head wider than TILE_MAX runs as the sum over feature-block pairs (a, b) of the cross
     operator; the pair's state is S[a, b] and its share of W's rows a (W's rows a are the sum over
     b). Normalized, the pairs run on [v | 1] and the quotient is taken at the end."""
-    if config is not None:
+    K = q.shape[-1]
+    if config is not None and config.layers:
+        if K > TILE_MAX:
+            raise ValueError(f"config.layers needs a head of at most {TILE_MAX} key features (one feature block), "
+                             f"got K={K}")
+    elif config is not None:
         refuse_ahla_fields(config, "hla2")
     if launch is None:
         args = (q, k, v, g, gamma, s0, w0, z0, normalize, eps, config, chunk_size, rate)
@@ -613,17 +763,19 @@ def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chu
     B, T, H, K = q.shape
     V = v.shape[-1]
 
-    def cfg_for(width, v_width):
+    def cfg_for(width, v_width, rule=fused_config):
         if config is not None:
             return config
-        return hla2_config(B, T, H, width, v_width, q.dtype, q.device, chunk_size, gated=g is not None,
-                           normalize=normalize, training=training)
+        return rule(B, T, H, width, v_width, q.dtype, q.device, chunk_size, gated=g is not None,
+                    normalize=normalize, training=training)
 
     training = autograd_records(q, k, v, g, s0, w0, z0)
     blocks = _feature_blocks(K)
     if len(blocks) == 1:
-        return HLA2ChunkFunction.apply(q, k, None, None, v, g, s0, w0, z0, gamma, normalize, eps, cfg_for(K, V),
-                                       rate, launch)
+        cfg = cfg_for(K, V, hla2_config)
+        if cfg.layers:
+            return _layers_call(q, k, v, g, gamma, s0, w0, z0, normalize, eps, cfg, rate, launch)
+        return HLA2ChunkFunction.apply(q, k, None, None, v, g, s0, w0, z0, gamma, normalize, eps, cfg, rate, launch)
     if normalize:
         v = torch.cat([v, torch.ones_like(v[..., :1])], -1)
         if s0 is not None:

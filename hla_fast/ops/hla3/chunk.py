@@ -52,7 +52,7 @@ from torch.autograd.function import once_differentiable
 
 from ..ahla.chunk import ahla_config, layer_bwd, layer_fwd
 from ..common.compile import compile_ahead, launch_kernel
-from ..common.config import ChunkConfig, chunk_or_default, refuse_ahla_fields, refuse_split_forward
+from ..common.config import ChunkConfig, chunk_or_default, refuse_ahla_fields, refuse_layers, refuse_split_forward
 from ..common.launch import autograd_records, snapshot_dtype
 from ..common.gates import reverse_cumsum
 from ..hla2 import chunk as hla2_chunk
@@ -65,7 +65,7 @@ TILE_MAX = 128
 @functools.lru_cache(maxsize=4096)
 def hla3_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: torch.device,
                 chunk_size: int | None = None, gated: bool = False, training: bool = False) -> ChunkConfig:
-    """The default layout of the second stage: HLA2's rule (``hla2.chunk.hla2_config``, its
+    """The default layout of the second stage: HLA2's fused kernels' rule (``hla2.chunk.fused_config``, its
     measurements there), since that stage runs HLA2's kernels. ``gated``: the call has log-gates g;
     ``training``: autograd records the call (HLA2's rule then splits a long bf16 forward of
     128-wide keys, whose chunk states the backward keeps anyway: forward + backward 33.0 -> 29.6 ms
@@ -75,7 +75,7 @@ def hla3_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     (V + 1 when normalizing). The first stage takes AHLA's rule (:func:`first_stage_config`); a
     ``config`` passed to ``hla3`` sets both, or each with a pair. The result is immutable, so it
     is cached."""
-    return hla2_chunk.hla2_config(B, T, H, K, V, dtype, device, chunk_size, gated=gated, training=training)
+    return hla2_chunk.fused_config(B, T, H, K, V, dtype, device, chunk_size, gated=gated, training=training)
 
 
 def stage_configs(config) -> tuple[ChunkConfig, ChunkConfig]:
@@ -85,8 +85,11 @@ def stage_configs(config) -> tuple[ChunkConfig, ChunkConfig]:
     what only AHLA's walks have (loading ahead, the layered backward)."""
     if isinstance(config, ChunkConfig):
         refuse_ahla_fields(config, "hla3")
+        refuse_layers(config, "hla3")
         return config, config
     cfg1, cfg2 = config
+    refuse_layers(cfg1, "hla3's first stage (config[0])")
+    refuse_layers(cfg2, "hla3's second stage (config[1])")
     refuse_split_forward(cfg1, "hla3's first stage (config[0])")
     if cfg1.bwd_prefetch:
         raise ValueError("config[0].bwd_prefetch must be False for hla3's first stage (its backward runs AHLA's "
