@@ -621,3 +621,27 @@ def test_layers_at_rate_two_equal_the_fused_kernels(gated, device, poison):
     layered = run(ChunkConfig(fwd_chunk=16, bwd_chunk=16, grad_parts=(7,), layers=True))
     for a, b in zip(layered, fused):
         assert rel(a, b) < TOL
+
+
+@pytest.mark.parametrize("save", [True, False])
+def test_layers_from_any_initial_state(save, device, poison):
+    """The layers from an initial S that is not symmetric (the inner layer reads q^T S0, HLA2
+    S0 q): outputs, final states and gradients against the float64 torch path, with the chunk
+    states kept by the forward and recomputed by the backward."""
+    B, T, H, K, V = 1, 37, 2, 16, 24
+    q, k, v = rand_qkv(B, T, H, K, V, seed=21, device=device)
+    g = rand_gates(B, T, H, seed=22, strength=0.1, device=device)
+    gen = torch.Generator().manual_seed(23)
+    S0, W0 = (torch.randn(B, H, K, n, generator=gen) * 0.2 for n in (K, V))
+    cfg = ChunkConfig(fwd_chunk=16, bwd_chunk=16, grad_parts=(7,), layers=True, save_states=save)
+
+    def run(dtype, backend, config):
+        ins = [x.detach().to(device if backend == "triton" else "cpu", dtype).requires_grad_()
+               for x in (q, k, v, g, S0, W0)]
+        o, st = hla_fast.hla2(*ins[:3], g=ins[3], initial_state=hla_fast.HLA2State(ins[4], ins[5]),
+                              output_final_state=True, backend=backend, config=config)
+        (o.sin().sum() + st.S.cos().sum() + st.W.square().sum()).backward()
+        return [o, st.S, st.W] + [x.grad for x in ins]
+
+    for a, b in zip(run(torch.float32, "triton", cfg), run(torch.float64, "torch", None)):
+        assert rel(a, b) < 1e-4   # dg: a reverse sum of fp32 products (the contract suite's bound)

@@ -671,35 +671,35 @@ class HLA2LayersFunction(torch.autograd.Function):
         grads = any(ctx.needs_input_grad[:6])
         keep = grads and cfg.save_states and cfg.fwd_chunk == cfg.bwd_chunk
         g_out, gamma_out = outer_decay(g, gamma, rate)
-        # -- inner layer: K' = LA(Q, K, K) from S0 (the layer's state is S^T: it reads q^T S) -----
-        kp, sT, cs_s = layer_fwd(q, k, k, g, gamma, _t(s0), cfg, keep_states=keep, launch=launch)
+        s0t = _t(s0)   # the inner layer's state is S^T: it reads q^T S
+        # -- inner layer: K' = LA(Q, K, K) from S0 -----------------------------------------------
+        kp, sT, cs_s = layer_fwd(q, k, k, g, gamma, s0t, cfg, keep_states=keep, launch=launch)
         sT = _t(sT)
         # -- outer layer: O = LA(Q, K', V) at (1 + rate) g from W0 --------------------------------
         o, wT, cs_w = layer_fwd(q, kp, v, g_out, gamma_out, w0, cfg, keep_states=keep, launch=launch)
         final = (sT, wT) if g is not None and ctx.needs_input_grad[3] else (None, None)
-        ctx.save_for_backward(q, k, v, g, g_out, s0, w0, kp, *final, cs_s, cs_w)
-        ctx.gamma, ctx.cfg, ctx.rate, ctx.launch = gamma, cfg, rate, launch
+        ctx.save_for_backward(q, k, v, g, g_out, s0t, w0, kp, *final, cs_s, cs_w)
+        ctx.gammas, ctx.cfg, ctx.rate, ctx.launch = (gamma, gamma_out), cfg, rate, launch
         return o, sT, wT
 
     @staticmethod
     @once_differentiable
     def backward(ctx, do, dsT, dwT):
-        q, k, v, g, g_out, s0, w0, kp, sT, wT, cs_s, cs_w = ctx.saved_tensors
-        cfg, gamma, rate, launch = ctx.cfg, ctx.gamma, ctx.rate, ctx.launch
-        gamma_out = outer_decay(None, gamma, rate)[1]
+        q, k, v, g, g_out, s0t, w0, kp, sT, wT, cs_s, cs_w = ctx.saved_tensors
+        cfg, (gamma, gamma_out), rate, launch = ctx.cfg, ctx.gammas, ctx.rate, ctx.launch
         want_dg = g is not None and ctx.needs_input_grad[3]
         if do is None:
             do = torch.zeros_like(v)
         if cs_s is None:
             # the forward kept no states (or walked other chunks): both layers' at the backward's chunk
             again = cfg.replace(fwd_chunk=cfg.bwd_chunk, fwd_warps=cfg.bwd_warps, fwd_stages=1)
-            cs_s = layer_fwd(q, k, k, g, gamma, s0, again, keep_states=True, launch=launch)[2]
+            cs_s = layer_fwd(q, k, k, g, gamma, s0t, again, keep_states=True, launch=launch)[2]
             cs_w = layer_fwd(q, kp, v, g_out, gamma_out, w0, again, keep_states=True, launch=launch)[2]
         # -- outer layer: dv, dq, dK' (and its share of dL/db at rate 1 + c) ----------------------
         dv, dq, dkp, dw0, db_out = layer_bwd(q, kp, v, do.contiguous(), g_out, gamma_out, cs_w, dwT, w0 is not None,
                                              cfg, want_db=want_dg, db_own=True, launch=launch)
         # -- inner layer from dK': dq added to the outer's, dk with its value slot's --------------
-        _, dq, dk, ds0, db_in = layer_bwd(q, k, k, dkp, g, gamma, cs_s, _t(dsT), s0 is not None, cfg, dq_in=dq,
+        _, dq, dk, ds0, db_in = layer_bwd(q, k, k, dkp, g, gamma, cs_s, _t(dsT), s0t is not None, cfg, dq_in=dq,
                                           want_db=want_dg, db_own=True, x_is_k=True, launch=launch)
         ds0 = _t(ds0)
         dg = None
@@ -713,20 +713,33 @@ class HLA2LayersFunction(torch.autograd.Function):
         return dq, dk, dv, dg, ds0, dw0, None, None, None, None
 
 
+def _with_ones(v, s0, w0, z0):
+    """A normalized call's values [v | 1] and, with an initial state, W0 as [W0 | z0] (z0 zeros
+    when absent): the denominator is the numerator's last column (W's last column is z)."""
+    v = torch.cat([v, torch.ones_like(v[..., :1])], -1)
+    if s0 is not None:
+        z0 = torch.zeros_like(w0[..., 0]) if z0 is None else z0
+        w0 = torch.cat([w0, z0[..., None]], -1).contiguous()
+    return v, w0
+
+
+def _quotient(o, V, eps, dtype):
+    """The normalized output from the operator on [v | 1]: its first V columns over its last
+    (+ eps), in fp32, then in ``dtype``."""
+    return (o[..., :V].float() / (o[..., V:].float() + eps)).to(dtype)
+
+
 def _layers_call(q, k, v, g, gamma, s0, w0, z0, normalize, eps, cfg, rate, launch):
     """HLA2 as first-order layers (:class:`HLA2LayersFunction`); normalized, on [v | 1] (W's last
     column is z) with the quotient taken here. Returns as :func:`hla2_chunked`."""
     _check_rate(rate, normalize)
     V = v.shape[-1]
     if normalize:
-        v = torch.cat([v, torch.ones_like(v[..., :1])], -1)
-        if s0 is not None:
-            z0 = torch.zeros_like(w0[..., 0]) if z0 is None else z0
-            w0 = torch.cat([w0, z0[..., None]], -1).contiguous()
+        v, w0 = _with_ones(v, s0, w0, z0)
     o, S, W = HLA2LayersFunction.apply(q, k, v, g, s0, w0, gamma, cfg, rate, launch)
     if not normalize:
         return o, S, W, None
-    return (o[..., :V].float() / (o[..., V:].float() + eps)).to(v.dtype), S, W[..., :V], W[..., V]
+    return _quotient(o, V, eps, v.dtype), S, W[..., :V], W[..., V]
 
 
 def _feature_blocks(K):
@@ -749,7 +762,8 @@ def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chu
     A head wider than TILE_MAX runs as the sum over feature-block pairs (a, b) of the cross
     operator; the pair's state is S[a, b] and its share of W's rows a (W's rows a are the sum over
     b). Normalized, the pairs run on [v | 1] and the quotient is taken at the end."""
-    K = q.shape[-1]
+    B, T, H, K = q.shape
+    V = v.shape[-1]
     if config is not None and config.layers:
         if K > TILE_MAX:
             raise ValueError(f"config.layers needs a head of at most {TILE_MAX} key features (one feature block), "
@@ -760,8 +774,6 @@ def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chu
         args = (q, k, v, g, gamma, s0, w0, z0, normalize, eps, config, chunk_size, rate)
         compile_ahead("hla2", hla2_chunked, args, q.device)
         launch = launch_kernel
-    B, T, H, K = q.shape
-    V = v.shape[-1]
 
     def cfg_for(width, v_width, rule=fused_config):
         if config is not None:
@@ -777,9 +789,7 @@ def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chu
             return _layers_call(q, k, v, g, gamma, s0, w0, z0, normalize, eps, cfg, rate, launch)
         return HLA2ChunkFunction.apply(q, k, None, None, v, g, s0, w0, z0, gamma, normalize, eps, cfg, rate, launch)
     if normalize:
-        v = torch.cat([v, torch.ones_like(v[..., :1])], -1)
-        if s0 is not None:
-            w0 = torch.cat([w0, z0[..., None]], -1)
+        v, w0 = _with_ones(v, s0, w0, z0)
     qs = [q[..., a0:a1].contiguous() for a0, a1 in blocks]
     ks = [k[..., a0:a1].contiguous() for a0, a1 in blocks]
     o, s_rows, w_rows = None, [], []
@@ -803,4 +813,4 @@ def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chu
     S, W = torch.cat(s_rows, -2), torch.cat(w_rows, -2)
     if not normalize:
         return o.to(v.dtype), S, W, None
-    return (o[..., :V] / (o[..., V:] + eps)).to(v.dtype), S, W[..., :V], W[..., V]
+    return _quotient(o, V, eps, v.dtype), S, W[..., :V], W[..., V]
