@@ -90,8 +90,9 @@ def time_call(op, q, k, v, do, g=None, normalize=False, config=None):
 def rule_config(op, q, v, changes, training, gated=False, normalize=False):
     """The configuration ``op``'s call on inputs shaped as q [B, T, H, K] and v [.., V] asks its
     rule for (autograd recording it or not: ``training``; with log-gates: ``gated``; normalized),
-    changed by ``changes``. hla3: the pair (first stage's rule, second stage's changed), so that a
-    change times the second stage's layout alone (its kernels see V + 1 values when normalized)."""
+    changed by ``changes``. hla3: the pair (first stage's rule, second stage's changed:
+    ``hla3.chunk.stage_rules``), so that a change times the second stage's layout alone (its
+    kernels see V + 1 values when normalized)."""
     import hla_fast
 
     B, T, H, K = q.shape
@@ -101,9 +102,9 @@ def rule_config(op, q, v, changes, training, gated=False, normalize=False):
         return hla_fast.ahla_config(*shape, training=training).replace(**changes)
     if op == "hla2":
         return hla_fast.hla2_config(*shape, gated=gated, normalize=normalize, training=training).replace(**changes)
-    from hla_fast.ops.hla3.chunk import first_stage_config
-    return (first_stage_config(*shape, training=training),
-            hla_fast.hla3_config(*shape, gated=gated, training=training).replace(**changes))
+    from hla_fast.ops.hla3.chunk import stage_rules
+    first, second = stage_rules(*shape, gated=gated, training=training, normalize=normalize)
+    return first, second.replace(**changes)
 
 
 def rel(a, b):

@@ -226,9 +226,15 @@ def test_ab_revision_changes_the_rule_for_this_trees_calls():
                 first, second = ab.rule_config("hla3", q, v, {"bwd_warps": 8}, training, gated, normalize)
                 shape3 = (*shape[:4], Vk, *shape[5:])
                 assert first == first_stage_config(*shape3, training=training)
-                assert second == hla_fast.hla3_config(*shape3, gated=gated, training=training).replace(bwd_warps=8)
+                rule = hla_fast.hla3_config(*shape3, gated=gated, training=training, normalize=normalize)
+                assert second == rule.replace(bwd_warps=8) and not second.layers
         cfg = ab.rule_config("ahla", q, v, {"fwd_warps": 8}, training)
         assert cfg == hla_fast.ahla_config(*shape, training=training).replace(fwd_warps=8)
+    # a long bf16 hla3 call runs its second stage as layers, and its first stage in the same walk
+    q, v = torch.zeros(4, 4096, 2, 64, dtype=torch.bfloat16), torch.zeros(4, 4096, 2, 64, dtype=torch.bfloat16)
+    first, second = ab.rule_config("hla3", q, v, {"fwd_warps": 8}, False)
+    rule = hla_fast.hla3_config(4, 4096, 2, 64, 64, q.dtype, q.device)
+    assert rule.layers and second == rule.replace(fwd_warps=8) and first == rule.replace(layers=False)
 
 
 @pytest.mark.skipif(not load("compile_report").has_cuda_compiler(), reason="needs Triton's CUDA backend (compiler and ptxas)")

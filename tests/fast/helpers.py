@@ -238,18 +238,32 @@ class Operator:
         return self.package or self.name
 
 
-def hla2_layers(q, k, v, *, backend=None, chunk_size=None, config=None, **kw):
-    """hla2 with its triton calls run as first-order layers (``ChunkConfig.layers``) in chunks of
-    ``chunk_size`` (DEFAULT_CHUNK, 64, when None), whatever the rule would take; other backends and
-    a bad ``chunk_size`` go to hla2 as given (its checks name them)."""
-    if backend == "triton" and config is None and chunk_size in (None, 16, 32, 64, 128):
-        c = chunk_size or 64
-        config = hla_fast.ChunkConfig(fwd_chunk=c, bwd_chunk=c, grad_parts=(7,), layers=True)
-    return hla_fast.hla2(q, k, v, backend=backend, chunk_size=chunk_size, config=config, **kw)
+def _as_layers(op):
+    """``op`` with its triton calls run as first-order layers (``ChunkConfig.layers``; hla3's
+    second stage) in chunks of ``chunk_size`` (DEFAULT_CHUNK, 64, when None), whatever the rule
+    would take; other backends and a bad ``chunk_size`` go to ``op`` as given (its checks name
+    them)."""
+    def call(q, k, v, *, backend=None, chunk_size=None, config=None, **kw):
+        if backend == "triton" and config is None and chunk_size in (None, 16, 32, 64, 128):
+            c = chunk_size or 64
+            config = hla_fast.ChunkConfig(fwd_chunk=c, bwd_chunk=c, grad_parts=(7,), layers=True)
+        return op(q, k, v, backend=backend, chunk_size=chunk_size, config=config, **kw)
+
+    call.__name__ = f"{op.__name__}_layers"
+    return call
+
+
+hla2_layers = _as_layers(hla_fast.hla2)
+hla3_layers = _as_layers(hla_fast.hla3)
 
 
 def _hla2_state_shapes(B, H, K, V, norm):
     return {"S": (B, H, K, K), "W": (B, H, K, V), "z": (B, H, K) if norm else None}
+
+
+def _hla3_state_shapes(B, H, K, V, norm):
+    return {"S": (B, H, K, K), "P": (B, H, K, V), "F": (B, H, K, V), "p": (B, H, K) if norm else None,
+            "f": (B, H, K) if norm else None}
 
 
 OPERATORS = [
@@ -263,11 +277,12 @@ OPERATORS = [
                                        "e": (B, H, K) if norm else None},
              ref_ahla, brute_ahla, norm_fields=frozenset({"p", "e"}), naive=ahla_naive_quadratic,
              garbage_within_chunk=False),
-    Operator("hla3", hla_fast.hla3, hla_fast.hla3_step, hla_fast.HLA3State,
-             lambda B, H, K, V, norm: {"S": (B, H, K, K), "P": (B, H, K, V), "F": (B, H, K, V),
-                                       "p": (B, H, K) if norm else None, "f": (B, H, K) if norm else None},
+    Operator("hla3", hla_fast.hla3, hla_fast.hla3_step, hla_fast.HLA3State, _hla3_state_shapes,
              ref_hla3, brute_hla3, norm_fields=frozenset({"p", "f"}), naive=hla3_naive_quadratic,
              garbage_within_chunk=False),
+    Operator("hla3_layers", hla3_layers, hla_fast.hla3_step, hla_fast.HLA3State, _hla3_state_shapes,
+             ref_hla3, brute_hla3, norm_fields=frozenset({"p", "f"}), naive=hla3_naive_quadratic,
+             garbage_within_chunk=False, package="hla3"),
 ]
 
 

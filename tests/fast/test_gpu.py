@@ -199,10 +199,12 @@ def test_split_forward(dtype, K, normalize, row_blocks, layout, poison):
 
 @pytest.mark.parametrize("gated", [False, True])
 def test_hla3_second_stage_split(gated, poison):
-    """HLA3's second stage in the rule's split layouts at K = V = 128 (bf16, one segment): an
+    """HLA3's fused second stage in the rule's split layouts at K = V = 128 (bf16, one segment;
+    the rule's layouts of a normalized call, which do not run as layers): an
     inference forward with two state walks in chunks of 64 gives the outputs of float64 within
     TOL, as the one walk does; a training call's pipelined loads (``fwd_stages``, ``bwd_stages``)
     change no number: outputs and gradients equal the unpipelined split's to the bit."""
+    from hla_fast.ops.hla2.chunk import fused_config
     from hla_fast.ops.hla3.chunk import first_stage_config
 
     cuda = torch.device("cuda")
@@ -212,12 +214,12 @@ def test_hla3_second_stage_split(gated, poison):
     want, _ = hla_fast.hla3(q.double(), k.double(), v.double(), backend="torch",
                             **{n: (x.double() if torch.is_tensor(x) else x) for n, x in decay.items()})
     shape = (B, T, H, K, K, torch.bfloat16, cuda)
-    one = hla_fast.hla3_config(*shape, gated=gated).replace(fwd_segments=1)
+    one = fused_config(*shape, gated=gated).replace(fwd_segments=1)
     infer = one.replace(fwd_output_pass=True, fwd_row_blocks=2, fwd_warps=4, **_INFER_SPLIT)
     for second in (one, infer):
         o, _ = hla_fast.hla3(q, k, v, config=(first_stage_config(*shape), second), **decay)
         assert rel(o, want) < TOL[torch.bfloat16]
-    split = hla_fast.hla3_config(*shape, gated=gated, training=True).replace(
+    split = fused_config(*shape, gated=gated, training=True).replace(
         fwd_segments=1, bwd_segments=1, fwd_output_pass=True, fwd_row_blocks=2, fwd_warps=4)
     runs = []
     for second in (split, split.replace(**_TRAIN_SPLIT)):

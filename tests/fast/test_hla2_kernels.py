@@ -578,8 +578,8 @@ def test_layers_rule(monkeypatch):
 
 def test_layers_config_is_checked(device):
     """config.layers: refused beside the fields of the fused kernels' backward walk and split
-    forward, for heads wider than one feature block, and by the operators that do not run as
-    layers in both passes."""
+    forward, for heads wider than one feature block, and by AHLA, which does not run as layers in
+    both passes (HLA3's second stage does: test_hla3_kernels.py)."""
     layers = ChunkConfig(fwd_chunk=16, bwd_chunk=16, grad_parts=(7,), layers=True)
     for bad in ({"bwd_segments": 2}, {"bwd_pieces": 2}, {"bwd_prefetch": True}, {"bwd_layers": True},
                 {"fwd_output_pass": True}):
@@ -592,11 +592,8 @@ def test_layers_config_is_checked(device):
     with pytest.raises(ValueError, match="config.layers needs a head of at most 128 key features .*got K=130"):
         hla_fast.hla2(q, k, v, gamma=0.9, backend="triton", config=layers)
     q, k, v = rand_qkv(1, 5, 1, 8, 8, seed=2, device=device)
-    for op, name in ((hla_fast.ahla, "ahla"), (hla_fast.hla3, "hla3")):
-        with pytest.raises(ValueError, match=f"config.layers must be False for {name}"):
-            op(q, k, v, gamma=0.9, backend="triton", config=layers)
-    with pytest.raises(ValueError, match=r"config.layers must be False for hla3's second stage \(config\[1\]\)"):
-        hla_fast.hla3(q, k, v, gamma=0.9, backend="triton", config=(layers.replace(layers=False), layers))
+    with pytest.raises(ValueError, match="config.layers must be False for ahla"):
+        hla_fast.ahla(q, k, v, gamma=0.9, backend="triton", config=layers)
     # the layers take AHLA's loading ahead, which the fused kernels refuse
     o, _ = hla_fast.hla2(q, k, v, gamma=0.9, backend="triton", config=layers.replace(fwd_prefetch=True))
     assert rel(o, ref_hla2(q, k, v, 0.9)) < TOL

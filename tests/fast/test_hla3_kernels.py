@@ -298,27 +298,40 @@ def test_wide_keys_are_refused_on_triton_only(device):
 
 
 def test_config_rule(monkeypatch):
-    """HLA3's rule is HLA2's fused kernels' (its second stage runs them), with the call's gates and
-    whether autograd records it: a long bf16 call of 128-wide keys on an H200-sized device (132
-    multiprocessors) runs that stage's forward split, training with one state walk and inference
-    with two, as HLA2's own does."""
+    """HLA3's rule is HLA2's (its second stage is HLA2 at rate 2), with the call's gates, whether
+    it normalizes and whether autograd records it: first-order layers where ``takes_layers`` says
+    so, else the fused kernels' rule; there a long bf16 call of 128-wide keys on an H200-sized
+    device (132 multiprocessors) runs that stage's forward split, training with one state walk and
+    inference with two, as HLA2's own does."""
     from hla_fast.ops.common import launch
 
     monkeypatch.setattr(launch, "sm_count", lambda device: 132)
-    from hla_fast.ops.hla2.chunk import fused_config
+    from hla_fast.ops.hla2.chunk import fused_config, layers_config, takes_layers
 
-    for rule in (fused_config, hla_fast.hla3_config):
+    rules = (fused_config, layers_config, hla_fast.hla3_config)
+    for rule in rules:
         rule.cache_clear()   # cached per shape and device
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    seen = set()
     for args in ((4, 32768, 16, 64, 64, torch.bfloat16, cpu), (4, 32768, 16, 128, 128, torch.bfloat16, cpu),
-                 (4, 32768, 16, 128, 128, torch.bfloat16, cuda), (1, 100, 1, 16, 20, torch.float32, cpu, 16)):
+                 (4, 32768, 16, 128, 128, torch.bfloat16, cuda), (4, 2048, 16, 64, 64, torch.bfloat16, cpu),
+                 (1, 100, 1, 16, 20, torch.float32, cpu, 16)):
+        B, T, H, K, V, dtype = args[:6]
         for gated in (False, True):
             for training in (False, True):
-                assert (hla_fast.hla3_config(*args, gated=gated, training=training)
-                        == fused_config(*args, gated=gated, training=training))
+                for normalize in (False, True):
+                    got = hla_fast.hla3_config(*args, gated=gated, training=training, normalize=normalize)
+                    if takes_layers(T, K, V, dtype, normalize, training):
+                        assert got == layers_config(*args, training=training) and got.layers
+                    else:
+                        assert got == fused_config(*args, gated=gated, training=training) and not got.layers
+                    seen.add(got.layers)
+    assert seen == {False, True}
     long128 = (4, 32768, 16, 128, 128, torch.bfloat16, cuda)
-    train, infer = hla_fast.hla3_config(*long128, training=True), hla_fast.hla3_config(*long128)
-    assert train.fwd_output_pass and not train.fwd_two_walks and infer.fwd_two_walks   # as HLA2's rule
+    assert hla_fast.hla3_config(*long128).layers and hla_fast.hla3_config(*long128, training=True).layers
+    train = hla_fast.hla3_config(*long128, training=True, normalize=True)
+    infer = hla_fast.hla3_config(*long128, normalize=True)
+    assert train.fwd_output_pass and not train.fwd_two_walks and infer.fwd_two_walks   # as HLA2's fused rule
     # the two rules' pair is a pair the call accepts: the first stage's backward (per-layer kernels)
     # does not load ahead, though AHLA's rule asks its own backward walk to for an inference call's
     # layout at 128-wide keys with bf16 dots (which the interpreter does not take: the rule is
@@ -330,7 +343,7 @@ def test_config_rule(monkeypatch):
         for training in (False, True):
             pair = (chunk.first_stage_config(*args, training=training), hla_fast.hla3_config(*args, training=training))
             assert not pair[0].bwd_prefetch and chunk.stage_configs(pair) == pair
-    for rule in (fused_config, hla_fast.hla3_config, hla_fast.ahla_config):
+    for rule in rules + (hla_fast.ahla_config,):
         rule.cache_clear()   # nothing cached while the rule saw a GPU's layouts stays
     with pytest.raises(TypeError, match="config must be a ChunkConfig"):
         hla_fast.hla3(*rand_qkv(1, 4, 1, 8, 8), backend="torch", config={"fwd_chunk": 16})
@@ -393,6 +406,12 @@ def test_a_config_for_each_stage(device):
         hla_fast.hla3(q, k, v, backend="triton", config=(both.replace(bwd_prefetch=True), both))
     with pytest.raises(ValueError, match=r"must be False for hla3's second stage \(config\[1\]\)"):
         hla_fast.hla3(q, k, v, backend="triton", config=(both, first))
+    layers = both.replace(layers=True, fwd_block_v=64)
+    with pytest.raises(ValueError, match=r"config\[0\].layers must be False for hla3's first stage .*got True"):
+        hla_fast.hla3(q, k, v, backend="triton", config=(layers, both))
+    # the layered second stage takes AHLA's loading ahead, which the fused one refuses
+    for a, b in zip(ref, run((both, layers.replace(fwd_prefetch=True)))):
+        assert rel(b, a) < 1e-5
     for bad, got in (((both,), r"got a tuple of 1: \(ChunkConfig\)"), ([both, both], "got list"),
                      ((both, {"fwd_chunk": 16}), r"got a tuple of 2: \(ChunkConfig, dict\)"),
                      ((both, both, both), "got a tuple of 3")):
@@ -402,6 +421,37 @@ def test_a_config_for_each_stage(device):
     for op in (hla_fast.hla2, hla_fast.ahla):   # one stage: a pair is refused
         with pytest.raises(TypeError, match="config must be a ChunkConfig or None, got tuple"):
             op(q, k, v, backend="triton", config=(both, both))
+
+
+@pytest.mark.parametrize("save", [True, False])
+@pytest.mark.parametrize("gated", [False, True])
+def test_the_second_stage_as_layers(gated, save, device, poison):
+    """config.layers: the second stage as two first-order layers (chunk.py's docstring: third
+    order as three), from an initial S that is not symmetric (the inner layer reads q^T S0) and an
+    initial P and F, with the chunk states kept by the forward or recomputed by the backward:
+    outputs, final states and every gradient as the fused second stage's (fp32 rounding), and one
+    layers config for both stages equal to a pair whose first stage asks the same walk."""
+    B, T, H, K, V = 1, 37, 2, 16, 24
+    q, k, v = rand_qkv(B, T, H, K, V, seed=31, device=device)
+    g = rand_gates(B, T, H, seed=32, strength=0.1, device=device) if gated else None
+    gen = torch.Generator().manual_seed(33)
+    S0, P0, F0 = ((torch.randn(B, H, K, n, generator=gen) * 0.2).to(device) for n in (K, V, V))
+    layers = ChunkConfig(fwd_chunk=16, bwd_chunk=16, grad_parts=(7,), layers=True, save_states=save)
+
+    def run(config):
+        ins = [x.detach().clone().requires_grad_() for x in (q, k, v, S0, P0, F0) + ((g,) if gated else ())]
+        decay = dict(g=ins[6]) if gated else dict(gamma=0.9)
+        o, st = hla_fast.hla3(*ins[:3], initial_state=hla_fast.HLA3State(*ins[3:6]), output_final_state=True,
+                              backend="triton", config=config, **decay)
+        (o.sin().sum() + st.S.cos().sum() + st.P.square().sum() + (st.F * st.F.flip(-1)).sum()).backward()
+        return [o, st.S, st.P, st.F] + [x.grad for x in ins]
+
+    fused = run(layers.replace(layers=False))
+    layered = run(layers)
+    for a, b in zip(layered, fused):
+        assert rel(a, b) < TOL
+    for a, b in zip(run((layers.replace(layers=False), layers)), layered):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_the_second_stage_rate_is_checked():
@@ -425,7 +475,8 @@ def test_long_sequences_on_the_gpu(dtype, D, one_segment):
     with both walks in one segment (the rule's layout once B * H fills the GPU): outputs, final
     state and gradients against the float64 torch path on the same rounded inputs. fp32: tf32x3
     products (fp32's level) summed over thousands of tokens; bf16: bf16 operands, R stored in
-    bf16 between the stages."""
+    bf16 between the stages (and the second stage as two first-order layers, K' stored in bf16:
+    the rule's layout there)."""
     B, T, H = 2, 4099, 4
     gen = torch.Generator().manual_seed(31)
     q, k = (torch.nn.functional.normalize(torch.randn(B, T, H, D, generator=gen), dim=-1) for _ in range(2))
@@ -435,6 +486,7 @@ def test_long_sequences_on_the_gpu(dtype, D, one_segment):
     g = g.cuda()
     cfg = hla_fast.hla3_config(B, T, H, D, D, dtype, q.device, gated=True)
     assert cfg.fwd_segments > 1 or (dtype == torch.float32 and D > 64), cfg
+    assert cfg.layers == (dtype == torch.bfloat16)
     if one_segment:
         cfg = cfg.replace(fwd_segments=1, bwd_segments=1)
     tol = 1e-4 if dtype == torch.float32 else 3e-2

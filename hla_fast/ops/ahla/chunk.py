@@ -43,7 +43,7 @@ from torch.autograd.function import once_differentiable
 
 from ..common.compile import compile_ahead, launch_kernel
 from ..common.config import DEFAULT_CHUNK, ChunkConfig, refuse_layers, refuse_split_forward
-from ..common.gates import log_gamma, reverse_cumsum
+from ..common.gates import log_gamma, log_gate_grad
 from ..common.launch import (
     autograd_records, bf16_dots, cdiv, dot_precision, min_key_block, min_value_block, one_wave_segments, plan_pieces,
     pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
@@ -522,13 +522,7 @@ def ahla_bwd(q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, r
     dg = None
     if want_dg:
         # the final state carries the factor exp(b_T) (P_T and E_T alike): its share of dL/db_T
-        last = torch.zeros(db.shape[0], db.shape[2], device=db.device, dtype=db.dtype)
-        if dPT is not None:
-            last = last + (PT * dPT.float()).sum((-1, -2))
-        if dET is not None:
-            last = last + (ET * dET.float()).sum((-1, -2))
-        db[:, -1] += last
-        dg = reverse_cumsum(db).to(g.dtype)
+        dg = log_gate_grad(db, ((PT, dPT, 1.0), (ET, dET, 1.0)), g.dtype)
     return dq, dk, dv, dg, dP0, dE0, dp0, de0
 
 

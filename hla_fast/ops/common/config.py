@@ -91,8 +91,9 @@ class ChunkConfig:
         state S, then O = LA(Q, K', V) at twice the log-gates with state W (``hla2.chunk``). The
         forward fields then lay out each layer's walk as they do AHLA's (``fwd_prefetch`` too),
         the backward takes ``bwd_chunk`` and ``bwd_warps``. Needs no ``fwd_output_pass``,
-        ``bwd_segments`` and ``bwd_pieces`` of 1, no ``bwd_prefetch`` and no ``bwd_layers``. HLA2;
-        AHLA (whose ``bwd_layers`` is its own) and HLA3 take only False.
+        ``bwd_segments`` and ``bwd_pieces`` of 1, no ``bwd_prefetch`` and no ``bwd_layers``. HLA2,
+        and HLA3's second stage (at three times the log-gates, ``hla3.chunk``); AHLA (whose
+        ``bwd_layers`` is its own) takes only False.
     """
 
     fwd_chunk: int = 64
@@ -180,8 +181,8 @@ def refuse_split_forward(cfg: ChunkConfig, op: str) -> None:
 def refuse_layers(cfg: ChunkConfig, op: str) -> None:
     """Refuse ``layers`` for an operator that does not run as first-order layers in both passes."""
     if cfg.layers:
-        raise ValueError(f"config.layers must be False for {op} (only hla2 runs as first-order layers in both "
-                         f"passes; ahla's backward has bwd_layers), got True")
+        raise ValueError(f"config.layers must be False for {op} (only hla2 and hla3's second stage run as first-order "
+                         f"layers in both passes; ahla's backward has bwd_layers), got True")
 
 
 def refuse_ahla_fields(cfg: ChunkConfig, op: str) -> None:

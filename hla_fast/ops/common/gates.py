@@ -70,6 +70,19 @@ def reverse_cumsum(db: torch.Tensor, dim: int = 1) -> torch.Tensor:
     return x.movedim(-1, dim).contiguous()
 
 
+def log_gate_grad(db: torch.Tensor, finals, dtype: torch.dtype) -> torch.Tensor:
+    """dL/dg from dL/db [B, T, H] fp32 (the gradient through the outputs' weights): the final
+    states' share added at the last token, then :func:`reverse_cumsum`, in ``dtype``.
+
+    finals: (X_T, dX_T, w) for each final state (fp32 [B, H, ...]) and its cotangent (None when
+    the loss does not use it), w the multiple of b_T in its weights' exponent (a state
+    sum_j exp(w b_T - ...) ... carries dL/db_T = w <X_T, dX_T>). ``db`` is updated in place."""
+    for x, dx, w in finals:
+        if dx is not None:
+            db[:, -1] += w * (x * dx.float()).flatten(2).sum(-1)
+    return reverse_cumsum(db).to(dtype)
+
+
 def chunk_decay_tiles(beta: torch.Tensor, valid: torch.Tensor):
     """The torch side of ``tiles.chunk_decays``: from beta [B, H, NT, C] (chunk_local_cumsum) and
     valid [NT, C] (rows < T), the factors G [B, H, NT, C, C] (exp(beta_r - beta_j) for j <= r, else

@@ -47,7 +47,7 @@ from torch.autograd.function import once_differentiable
 from ..common.compile import compile_ahead, launch_kernel
 from ..ahla.chunk import ahla_config, layer_bwd, layer_fwd
 from ..common.config import DEFAULT_CHUNK, ChunkConfig, chunk_or_default, refuse_ahla_fields
-from ..common.gates import log_gamma, reverse_cumsum
+from ..common.gates import log_gamma, log_gate_grad
 from ..common.launch import (
     autograd_records, bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments,
     plan_pieces, pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
@@ -619,15 +619,8 @@ class HLA2ChunkFunction(torch.autograd.Function):
         if want_dg:
             # the final state S_T carries exp(b_T - b_i), W_T and z_T exp((1 + c) b_T - b_i - c b_j)
             # (c = rate): their share of dL/db_T
-            last = torch.zeros(db.shape[0], db.shape[2], device=db.device, dtype=db.dtype)
-            if dsT is not None:
-                last = last + (sT * dsT).sum((-1, -2))
-            if dwT is not None:
-                last = last + (1 + ctx.rate) * (wT * dwT.float()).sum((-1, -2))
-            if dzT is not None:
-                last = last + (1 + ctx.rate) * (zT * dzT.float()).sum(-1)
-            db[:, -1] += last
-            dg = reverse_cumsum(db).to(g.dtype)
+            c1 = 1 + ctx.rate
+            dg = log_gate_grad(db, ((sT, dsT, 1.0), (wT, dwT, c1), (zT, dzT, c1)), g.dtype)
         return dq, dk, dq2, dk2, dv, dg, ds0, dw0, dz0, None, None, None, None, None, None
 
 
@@ -638,10 +631,49 @@ def outer_decay(g, gamma, rate):
     return (None if g is None else g.float() * (1 + rate)), (None if gamma is None else gamma ** (1 + rate))
 
 
-def _t(x):
+def transposed(x):
     """x^T over the last two dims, contiguous (None stays None). S is symmetric whenever it is a
     sum of k k^T, but an initial state need not be: the inner layer reads q^T S0, HLA2 S0 q."""
     return None if x is None else x.transpose(-1, -2).contiguous()
+
+
+def layers_fwd(q, k, v, g, gamma, s0t, w0, cfg: ChunkConfig, rate, keep, launch):
+    """HLA2's forward as two first-order layers (:class:`HLA2LayersFunction`): K' = LA(Q, K, K; g)
+    from S0^T (``s0t``; the inner layer reads q^T S), then O = LA(Q, K', V; (1 + rate) g) from W0.
+    keep: also both layers' chunk-start states at ``cfg.fwd_chunk`` for :func:`layers_bwd`.
+    Returns (o [B,T,H,V] in v's dtype, S_T, W_T fp32, K' [B,T,H,K] in q's dtype, cs_s, cs_w (each
+    [B*H, NT, K, .] or None))."""
+    g_out, gamma_out = outer_decay(g, gamma, rate)
+    # -- inner layer: K' = LA(Q, K, K) from S0 ---------------------------------------------------
+    kp, sT, cs_s = layer_fwd(q, k, k, g, gamma, s0t, cfg, keep_states=keep, launch=launch)
+    # -- outer layer: O = LA(Q, K', V) at (1 + rate) g from W0 ------------------------------------
+    o, wT, cs_w = layer_fwd(q, kp, v, g_out, gamma_out, w0, cfg, keep_states=keep, launch=launch)
+    return o, transposed(sT), wT, kp, cs_s, cs_w
+
+
+def layers_bwd(q, k, v, kp, do, g, gamma, s0t, w0, cs_s, cs_w, dsT, dwT, cfg: ChunkConfig, rate, want_db, launch):
+    """The backward of :func:`layers_fwd`: its inputs, K' and its kept states (or None: both
+    layers' are recomputed at ``cfg.bwd_chunk``), the cotangents do [B,T,H,V] and dsT, dwT (fp32 or
+    None). The outer layer's first-order backward gives dv, dq, dK'; the inner's, from dK' as its
+    output gradient, adds its dq to the outer's and the gradient through its value slot to dk
+    (``ahla.chunk.layer_bwd``). Returns (dq, dk, dv, dS0, dW0 (None without an initial state),
+    db [B, T, H] fp32, None unless ``want_db``): dL/db per token without the final states' share,
+    (1 + c) times the outer layer's q.dq - K'.dK' plus the inner's q.dq - k.dk (each layer is the
+    ungated one on e^{cb} q, e^{-cb} k). HLA3 runs this at rate 2 for its second stage."""
+    g_out, gamma_out = outer_decay(g, gamma, rate)
+    if cs_s is None:
+        # the forward kept no states (or walked other chunks): both layers' at the backward's chunk
+        again = cfg.replace(fwd_chunk=cfg.bwd_chunk, fwd_warps=cfg.bwd_warps, fwd_stages=1)
+        cs_s = layer_fwd(q, k, k, g, gamma, s0t, again, keep_states=True, launch=launch)[2]
+        cs_w = layer_fwd(q, kp, v, g_out, gamma_out, w0, again, keep_states=True, launch=launch)[2]
+    # -- outer layer: dv, dq, dK' (and its share of dL/db at rate 1 + c) --------------------------
+    dv, dq, dkp, dw0, db_out = layer_bwd(q, kp, v, do.contiguous(), g_out, gamma_out, cs_w, dwT, w0 is not None,
+                                         cfg, want_db=want_db, db_own=True, launch=launch)
+    # -- inner layer from dK': dq added to the outer's, dk with its value slot's ------------------
+    _, dq, dk, ds0, db_in = layer_bwd(q, k, k, dkp, g, gamma, cs_s, transposed(dsT), s0t is not None, cfg, dq_in=dq,
+                                      want_db=want_db, db_own=True, x_is_k=True, launch=launch)
+    db = db_in + (1 + rate) * db_out if want_db else None
+    return dq, dk, dv, transposed(ds0), dw0, db
 
 
 class HLA2LayersFunction(torch.autograd.Function):
@@ -653,13 +685,10 @@ class HLA2LayersFunction(torch.autograd.Function):
 
     so o = LA(Q, K', V; (1 + c) g) with K'_j = sum_{i <= j} exp(b_j - b_i) (q_j . k_i) k_i =
     S_j q_j = LA(Q, K, K; g)_j: the inner layer's state is HLA2's S, the outer's W (c = rate, 1
-    for HLA2). The forward runs AHLA's single-layer walk twice (``ahla.chunk.layer_fwd``) and keeps
+    for HLA2). The forward runs AHLA's single-layer walk twice (:func:`layers_fwd`) and keeps
     K' (in q's dtype) and, for the backward, both layers' chunk-start states; the backward runs the
-    outer layer's first-order backward (dq, dK', dv), then the inner's from dK' as its output
-    gradient (``ahla.chunk.layer_bwd``: it adds the outer's dq, and the gradient through its value
-    slot to dk, in the same launch). dL/db is (1 + c) times the outer layer's q.dq - K'.dK' plus the
-    inner's q.dq - k.dk (each layer is the ungated one on e^{cb} q, e^{-cb} k), plus the final
-    states' share.
+    two layers' first-order backwards, the outer first (:func:`layers_bwd`). dL/db is theirs plus
+    the final states' share.
 
     forward(q [B,T,H,K], k, v [B,T,H,V], g [B,T,H] | None, s0 [B,H,K,K] | None, w0 [B,H,K,V] | None,
     gamma, cfg, rate, launch) -> (o [B,T,H,V] in v's dtype, S_T, W_T fp32). The backward is not
@@ -670,46 +699,26 @@ class HLA2LayersFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         grads = any(ctx.needs_input_grad[:6])
         keep = grads and cfg.save_states and cfg.fwd_chunk == cfg.bwd_chunk
-        g_out, gamma_out = outer_decay(g, gamma, rate)
-        s0t = _t(s0)   # the inner layer's state is S^T: it reads q^T S
-        # -- inner layer: K' = LA(Q, K, K) from S0 -----------------------------------------------
-        kp, sT, cs_s = layer_fwd(q, k, k, g, gamma, s0t, cfg, keep_states=keep, launch=launch)
-        sT = _t(sT)
-        # -- outer layer: O = LA(Q, K', V) at (1 + rate) g from W0 --------------------------------
-        o, wT, cs_w = layer_fwd(q, kp, v, g_out, gamma_out, w0, cfg, keep_states=keep, launch=launch)
+        s0t = transposed(s0)   # the inner layer's state is S^T: it reads q^T S
+        o, sT, wT, kp, cs_s, cs_w = layers_fwd(q, k, v, g, gamma, s0t, w0, cfg, rate, keep, launch)
         final = (sT, wT) if g is not None and ctx.needs_input_grad[3] else (None, None)
-        ctx.save_for_backward(q, k, v, g, g_out, s0t, w0, kp, *final, cs_s, cs_w)
-        ctx.gammas, ctx.cfg, ctx.rate, ctx.launch = (gamma, gamma_out), cfg, rate, launch
+        ctx.save_for_backward(q, k, v, g, s0t, w0, kp, *final, cs_s, cs_w)
+        ctx.gamma, ctx.cfg, ctx.rate, ctx.launch = gamma, cfg, rate, launch
         return o, sT, wT
 
     @staticmethod
     @once_differentiable
     def backward(ctx, do, dsT, dwT):
-        q, k, v, g, g_out, s0t, w0, kp, sT, wT, cs_s, cs_w = ctx.saved_tensors
-        cfg, (gamma, gamma_out), rate, launch = ctx.cfg, ctx.gammas, ctx.rate, ctx.launch
+        q, k, v, g, s0t, w0, kp, sT, wT, cs_s, cs_w = ctx.saved_tensors
         want_dg = g is not None and ctx.needs_input_grad[3]
         if do is None:
             do = torch.zeros_like(v)
-        if cs_s is None:
-            # the forward kept no states (or walked other chunks): both layers' at the backward's chunk
-            again = cfg.replace(fwd_chunk=cfg.bwd_chunk, fwd_warps=cfg.bwd_warps, fwd_stages=1)
-            cs_s = layer_fwd(q, k, k, g, gamma, s0t, again, keep_states=True, launch=launch)[2]
-            cs_w = layer_fwd(q, kp, v, g_out, gamma_out, w0, again, keep_states=True, launch=launch)[2]
-        # -- outer layer: dv, dq, dK' (and its share of dL/db at rate 1 + c) ----------------------
-        dv, dq, dkp, dw0, db_out = layer_bwd(q, kp, v, do.contiguous(), g_out, gamma_out, cs_w, dwT, w0 is not None,
-                                             cfg, want_db=want_dg, db_own=True, launch=launch)
-        # -- inner layer from dK': dq added to the outer's, dk with its value slot's --------------
-        _, dq, dk, ds0, db_in = layer_bwd(q, k, k, dkp, g, gamma, cs_s, _t(dsT), s0t is not None, cfg, dq_in=dq,
-                                          want_db=want_dg, db_own=True, x_is_k=True, launch=launch)
-        ds0 = _t(ds0)
+        dq, dk, dv, ds0, dw0, db = layers_bwd(q, k, v, kp, do, g, ctx.gamma, s0t, w0, cs_s, cs_w, dsT, dwT, ctx.cfg,
+                                              ctx.rate, want_dg, ctx.launch)
         dg = None
         if want_dg:
-            db = db_in + (1 + rate) * db_out
             # S_T carries exp(b_T - b_i), W_T exp((1 + c) b_T - b_i - c b_j): their share of dL/db_T
-            for x, dx, w in ((sT, dsT, 1.0), (wT, dwT, 1.0 + rate)):
-                if dx is not None:
-                    db[:, -1] += w * (x * dx.float()).sum((-1, -2))
-            dg = reverse_cumsum(db).to(g.dtype)
+            dg = log_gate_grad(db, ((sT, dsT, 1.0), (wT, dwT, 1.0 + ctx.rate)), g.dtype)
         return dq, dk, dv, dg, ds0, dw0, None, None, None, None
 
 

@@ -32,6 +32,18 @@ and spilled kilobytes. Timed in one process against them (bf16, B = 4, H = 16, T
 ``benchmarks/results/hla3_h200_ab_staged.json``): forward 3.35 -> 1.79 ms, forward + backward
 29.4 -> 7.69 ms, the training peak beyond the inputs 6.7 -> 1.9 GB (hla_fast/README.md, third order).
 
+The second stage as two first-order layers (``ChunkConfig.layers``, HLA2's at rate 2; the rule takes
+them where HLA2's does). The second stage's weight splits at u as HLA2's does at its inner index,
+exp(3 b_t - b_i - 2 b_u) = exp(3 (b_t - b_u)) exp(b_u - b_i), so
+
+    K'_u = sum_{i <= u} exp(b_u - b_i) (q_u . k_i) k_i = S_u q_u = LA(Q, K, K; g)_u ,
+    o_t  = sum_{u <= t} exp(3 (b_t - b_u)) (q_t . K'_u) R_u = LA(Q, K', R; 3 g)_t :
+
+third order is three first-order layers, R and K' on (Q, K) and the outer one on (Q, K', R), whose
+states are P, S^T and F (``hla2.chunk.layers_fwd``, ``layers_bwd``; the backward runs the outer
+layer, then K''s, then R's, each adding its dq, dk to the last's). dL/db is then q.dq - k.dk of R's
+and K''s layers plus 3 (q.dq - K'.dK') of the outer one, plus the final states' share.
+
 Normalization: the Function computes the unnormalized operator; ``hla3_chunked`` runs it on the values
 [v | 1] (state [P | p], [F | f]) and divides in torch, so autograd differentiates the quotient: the
 denominator is the operator applied to a column of ones, the first stage's R then gains the column
@@ -52,9 +64,9 @@ from torch.autograd.function import once_differentiable
 
 from ..ahla.chunk import ahla_config, layer_bwd, layer_fwd
 from ..common.compile import compile_ahead, launch_kernel
-from ..common.config import ChunkConfig, chunk_or_default, refuse_ahla_fields, refuse_layers, refuse_split_forward
+from ..common.config import ChunkConfig, chunk_or_default, refuse_ahla_fields, refuse_split_forward
 from ..common.launch import autograd_records, snapshot_dtype
-from ..common.gates import reverse_cumsum
+from ..common.gates import log_gate_grad
 from ..hla2 import chunk as hla2_chunk
 from .state import HLA3State
 
@@ -64,37 +76,49 @@ TILE_MAX = 128
 
 @functools.lru_cache(maxsize=4096)
 def hla3_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: torch.device,
-                chunk_size: int | None = None, gated: bool = False, training: bool = False) -> ChunkConfig:
-    """The default layout of the second stage: HLA2's fused kernels' rule (``hla2.chunk.fused_config``, its
-    measurements there), since that stage runs HLA2's kernels. ``gated``: the call has log-gates g;
-    ``training``: autograd records the call (HLA2's rule then splits a long bf16 forward of
-    128-wide keys, whose chunk states the backward keeps anyway: forward + backward 33.0 -> 29.6 ms
-    at K = V = 128, T = 32k, bit-identical, ``benchmarks/results/hla3_h200_ab_split_second_stage.json``;
-    the rule's layout at K = V = 64 was the fastest of those swept,
-    ``hla3_h200_second_stage_layouts_k64.json``). V: the values the kernels see
-    (V + 1 when normalizing). The first stage takes AHLA's rule (:func:`first_stage_config`); a
-    ``config`` passed to ``hla3`` sets both, or each with a pair. The result is immutable, so it
-    is cached."""
+                chunk_size: int | None = None, gated: bool = False, training: bool = False,
+                normalize: bool = False) -> ChunkConfig:
+    """The default layout of the second stage, HLA2's rule at rate 2 (``hla2.chunk``): first-order
+    layers (``hla2.chunk.layers_config``, in which the first stage then runs too) where
+    ``hla2.chunk.takes_layers`` says so for HLA2, else the fused kernels' rule
+    (``hla2.chunk.fused_config``). Timed in one process against the fused second stage (bf16,
+    B = 4, H = 16, T = 32k, ``benchmarks/results/hla3_h200_ab_layers.json``; numbers in
+    hla_fast/README.md, third order). ``gated``: the call has log-gates g; ``training``: autograd
+    records the call (HLA2's fused rule then splits a long bf16 forward of 128-wide keys, whose
+    chunk states the backward keeps anyway: forward + backward 33.0 -> 29.6 ms at K = V = 128,
+    T = 32k, bit-identical, ``benchmarks/results/hla3_h200_ab_split_second_stage.json``; that
+    rule's layout at K = V = 64 was the fastest of those swept,
+    ``hla3_h200_second_stage_layouts_k64.json``); ``normalize``: the call normalizes (the layers
+    are not taken). V: the values the kernels see (V + 1 when normalizing). Without layers the
+    first stage takes AHLA's rule (:func:`first_stage_config`); a ``config`` passed to ``hla3``
+    sets both, or each with a pair. The result is immutable, so it is cached."""
+    if hla2_chunk.takes_layers(T, K, V, dtype, normalize, training):
+        return hla2_chunk.layers_config(B, T, H, K, V, dtype, device, chunk_size, training)
     return hla2_chunk.fused_config(B, T, H, K, V, dtype, device, chunk_size, gated=gated, training=training)
 
 
 def stage_configs(config) -> tuple[ChunkConfig, ChunkConfig]:
     """The two stages' layouts from ``hla3``'s ``config`` (checked: a ChunkConfig or a pair of
-    them): one config sets both; of a pair, the first stage's may not ask for what only HLA2's
-    forward or AHLA's backward walk has (the split forward, ``bwd_prefetch``), the second's not for
-    what only AHLA's walks have (loading ahead, the layered backward)."""
+    them): one config sets both (with ``layers``, the first stage's one layer runs in its
+    forward and backward fields); of a pair, the first stage's may not ask for what only HLA2's
+    forward, AHLA's backward walk or the second stage has (the split forward, ``bwd_prefetch``,
+    ``layers``), the second's not for what only AHLA's walks have (loading ahead, the layered
+    backward), unless it runs as layers (which load ahead as AHLA's forward walk does)."""
     if isinstance(config, ChunkConfig):
+        if config.layers:
+            return config.replace(layers=False), config
         refuse_ahla_fields(config, "hla3")
-        refuse_layers(config, "hla3")
         return config, config
     cfg1, cfg2 = config
-    refuse_layers(cfg1, "hla3's first stage (config[0])")
-    refuse_layers(cfg2, "hla3's second stage (config[1])")
+    if cfg1.layers:
+        raise ValueError("config[0].layers must be False for hla3's first stage (it is one first-order layer "
+                         "whatever the config; layers is the second stage's field, config[1]), got True")
     refuse_split_forward(cfg1, "hla3's first stage (config[0])")
     if cfg1.bwd_prefetch:
         raise ValueError("config[0].bwd_prefetch must be False for hla3's first stage (its backward runs AHLA's "
                          "per-layer kernels, which do not load ahead), got True")
-    refuse_ahla_fields(cfg2, "hla3's second stage (config[1])")
+    if not cfg2.layers:
+        refuse_ahla_fields(cfg2, "hla3's second stage (config[1])")
     return cfg1, cfg2
 
 
@@ -115,6 +139,18 @@ def first_stage_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtyp
         bwd_prefetch=False)
 
 
+def stage_rules(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: torch.device,
+                chunk_size: int | None = None, gated: bool = False, training: bool = False,
+                normalize: bool = False) -> tuple[ChunkConfig, ChunkConfig]:
+    """The layouts a call without ``config`` takes (the arguments as :func:`hla3_config`'s): the
+    second stage's by :func:`hla3_config`; the first stage's the same walk when the second runs as
+    layers (three first-order layers in one layout), else AHLA's (:func:`first_stage_config`)."""
+    cfg2 = hla3_config(B, T, H, K, V, dtype, device, chunk_size, gated=gated, training=training, normalize=normalize)
+    if cfg2.layers:
+        return cfg2.replace(layers=False), cfg2
+    return first_stage_config(B, T, H, K, V, dtype, device, chunk_size, training=training), cfg2
+
+
 def first_stage_states(q, k, v, g, gamma, p0, cfg: ChunkConfig, launch=launch_kernel):
     """The first stage's chunk-start states P at the backward's chunks (a walk without outputs in
     the backward's chunks and warps), for a backward whose forward did not keep them."""
@@ -123,7 +159,8 @@ def first_stage_states(q, k, v, g, gamma, p0, cfg: ChunkConfig, launch=launch_ke
 
 
 class HLA3StagedFunction(torch.autograd.Function):
-    """Autograd of the unnormalized HLA3 on the Triton kernels, as its two stages (module docstring).
+    """Autograd of the unnormalized HLA3 on the Triton kernels, as its two stages (module docstring),
+    the second on HLA2's fused kernels or, with ``cfg2.layers``, as two first-order layers.
 
     forward(q [B,T,H,K], k, v [B,T,H,V], g [B,T,H] | None, s0 [B,H,K,K] | None, p0 [B,H,K,V] | None,
     f0 [B,H,K,V] | None, gamma, cfg1, cfg2, launch) -> (o [B,T,H,V] in v's dtype, S_T, P_T, F_T fp32),
@@ -139,29 +176,40 @@ class HLA3StagedFunction(torch.autograd.Function):
         # -- first stage: R = LA(q, k, v) from P0 ------------------------------------------------
         r, pT, cs_p = layer_fwd(q, k, v, g, gamma, p0, cfg1, keep_states=grads and same_chunk, launch=launch)
         # -- second stage: HLA2 at rate 2 on (q, k, R) from (S0, F0) -----------------------------
-        keep = grads and hla2_chunk.keeps_states(cfg2, q, None, v.shape[-1])
-        o, _, sT, fT, _, cs = hla2_chunk.fwd_launch(
-            q, k, r, g, gamma, s0, f0, None, snapshots=snapshot_dtype(cfg2, q.dtype) if keep else None, rate=2,
-            launch=launch, **hla2_chunk.forward_layout(cfg2))
-        cs_s, cs_f = (None, None) if cs is None else cs[:2]
+        if cfg2.layers:
+            # K' = LA(q, k, k; g) from S0^T, then o = LA(q, K', R; 3 g) from F0
+            keep = grads and cfg2.save_states and cfg2.fwd_chunk == cfg2.bwd_chunk
+            s0 = hla2_chunk.transposed(s0)   # the stage's initial state from here on: the inner layer reads q^T S0
+            o, sT, fT, kp, cs_s, cs_f = hla2_chunk.layers_fwd(q, k, r, g, gamma, s0, f0, cfg2, 2, keep, launch)
+        else:
+            keep = grads and hla2_chunk.keeps_states(cfg2, q, None, v.shape[-1])
+            o, _, sT, fT, _, cs = hla2_chunk.fwd_launch(
+                q, k, r, g, gamma, s0, f0, None, snapshots=snapshot_dtype(cfg2, q.dtype) if keep else None, rate=2,
+                launch=launch, **hla2_chunk.forward_layout(cfg2))
+            kp = None
+            cs_s, cs_f = (None, None) if cs is None else cs[:2]
         # the final state is read back only for the log-gates' gradient (its own factor e^{b_T})
         final = (sT, pT, fT) if g is not None and ctx.needs_input_grad[3] else (None, None, None)
-        ctx.save_for_backward(q, k, v, g, s0, p0, f0, r, *final, cs_p, cs_s, cs_f)
+        ctx.save_for_backward(q, k, v, g, s0, p0, f0, r, kp, *final, cs_p, cs_s, cs_f)
         ctx.gamma, ctx.cfgs, ctx.launch = gamma, (cfg1, cfg2), launch
         return o, sT, pT, fT
 
     @staticmethod
     @once_differentiable
     def backward(ctx, do, dsT, dpT, dfT):
-        q, k, v, g, s0, p0, f0, r, sT, pT, fT, cs_p, cs_s, cs_f = ctx.saved_tensors
+        q, k, v, g, s0, p0, f0, r, kp, sT, pT, fT, cs_p, cs_s, cs_f = ctx.saved_tensors
         (cfg1, cfg2), gamma, launch = ctx.cfgs, ctx.gamma, ctx.launch
         want_dg = g is not None and ctx.needs_input_grad[3]
         if do is None:
             do = torch.zeros_like(v)
         # -- second stage: dq, dk, dR (and its share of dL/db) ------------------------------------
-        dq, dk, _, _, dr, ds0, df0, db, _ = hla2_chunk.bwd_launch(
-            q, k, r, do, g, gamma, s0, f0, dsT, dfT, cfg2, states=None if cs_s is None else (cs_s, cs_f, None),
-            want_db=want_dg, rate=2, launch=launch)
+        if cfg2.layers:
+            dq, dk, dr, ds0, df0, db = hla2_chunk.layers_bwd(q, k, r, kp, do, g, gamma, s0, f0, cs_s, cs_f, dsT, dfT,
+                                                             cfg2, 2, want_dg, launch)
+        else:
+            dq, dk, _, _, dr, ds0, df0, db, _ = hla2_chunk.bwd_launch(
+                q, k, r, do, g, gamma, s0, f0, dsT, dfT, cfg2, states=None if cs_s is None else (cs_s, cs_f, None),
+                want_db=want_dg, rate=2, launch=launch)
         # -- first stage, from dR: dv, and its dq, dk added to the second's in the same launch -----
         if cs_p is None:
             cs_p = first_stage_states(q, k, v, g, gamma, p0, cfg1, launch)
@@ -170,11 +218,7 @@ class HLA3StagedFunction(torch.autograd.Function):
         dg = None
         if want_dg:
             # S_T, P_T carry exp(b_T - .), F_T exp(3 b_T - .): their share of dL/db_T
-            db = db + db1
-            for x, dx, w in ((sT, dsT, 1.0), (pT, dpT, 1.0), (fT, dfT, 3.0)):
-                if dx is not None:
-                    db[:, -1] += w * (x * dx.float()).sum((-1, -2))
-            dg = reverse_cumsum(db).to(g.dtype)
+            dg = log_gate_grad(db + db1, ((sT, dsT, 1.0), (pT, dpT, 1.0), (fT, dfT, 3.0)), g.dtype)
         return dq, dk, dv, dg, ds0, dp0, df0, None, None, None, None
 
 
@@ -205,8 +249,8 @@ def hla3_chunked(q, k, v, g, gamma, state, normalize, eps, config=None, chunk_si
         cfg1, cfg2 = stage_configs(config)
     else:
         Vk, training = vv.shape[-1], autograd_records(q, k, v, g, s0, p0, f0)
-        cfg1 = first_stage_config(B, T, H, K, Vk, q.dtype, q.device, chunk_size, training=training)
-        cfg2 = hla3_config(B, T, H, K, Vk, q.dtype, q.device, chunk_size, gated=g is not None, training=training)
+        cfg1, cfg2 = stage_rules(B, T, H, K, Vk, q.dtype, q.device, chunk_size, gated=g is not None,
+                                 training=training, normalize=normalize)
     if launch is None:   # the rehearsal takes the layouts chosen here (a config as given)
         compile_ahead("hla3", hla3_chunked, (q, k, v, g, gamma, state, normalize, eps, config, chunk_size), q.device)
         launch = launch_kernel
