@@ -44,6 +44,7 @@ from torch.autograd.function import once_differentiable
 from ..common.compile import compile_ahead, launch_kernel
 from ..common.config import DEFAULT_CHUNK, ChunkConfig, refuse_layers, refuse_split_forward
 from ..common.gates import log_gamma, log_gate_grad
+from ..common.normalize import with_column, with_ones
 from ..common.launch import (
     autograd_records, bf16_dots, cdiv, dot_precision, min_key_block, min_value_block, one_wave_segments, plan_pieces,
     pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
@@ -460,11 +461,6 @@ def layer_fwd(q, k, v, g, gamma, p0, cfg: ChunkConfig, *, keep_states=False, lau
     return r, PT, None if cs is None else cs[0]
 
 
-def _cat_last(a, b):
-    """[a | b] along the last dim, b a vector per row (None when a is None)."""
-    return None if a is None else torch.cat([a, b[..., None].to(a.dtype)], -1)
-
-
 def ahla_fwd(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg: ChunkConfig, keep_states=False,
              launch=launch_kernel):
     """The forward pass: q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] or None (contiguous);
@@ -499,17 +495,15 @@ def ahla_bwd(q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, r
         d = (den + eps)[..., None]
         do_f = do.float()
         do = torch.cat([do_f / d, -(do_f * o.float()).sum(-1, keepdim=True) / d], -1).to(v.dtype)
-        v = torch.cat([v, torch.ones_like(v[..., :1])], -1)
-        if p0 is not None:
-            p0 = _cat_last(p0, pn0 if pn0 is not None else torch.zeros_like(p0[..., 0]))
-            e0 = _cat_last(e0, en0 if en0 is not None else torch.zeros_like(e0[..., 0]))
+        v = with_ones(v)
+        p0, e0 = with_column(p0, pn0), with_column(e0, en0)
         if any(x is not None for x in (dPT, dET, dpT, deT)):
             # a missing cotangent is zero; its shape from the operator's ([B, H, K, V], [B, H, K])
             B, _, H, K = q.shape
             dPT, dET, dpT, deT = (q.new_zeros(shape, dtype=torch.float32) if x is None else x for x, shape in (
                 (dPT, (B, H, K, V)), (dET, (B, H, K, V)), (dpT, (B, H, K)), (deT, (B, H, K))))
-            dPT, dET = _cat_last(dPT, dpT), _cat_last(dET, deT)
-        PT, ET = _cat_last(PT, pT), _cat_last(ET, eT)
+            dPT, dET = with_column(dPT, dpT), with_column(dET, deT)
+        PT, ET = with_column(PT, pT), with_column(ET, eT)
     states = None if cs_p is None else (cs_p, cs_e, r)
     dq, dk, dv, dP0, dE0, db = bwd_launch(q, k, v, do, g, gamma, p0, e0, dPT, dET, cfg, states=states,
                                           want_db=want_dg, launch=launch)

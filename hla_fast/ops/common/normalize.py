@@ -1,4 +1,5 @@
-"""The output gradient of a normalized call, split the way the backward kernels take it.
+"""A normalized call's values and states with their ones column, and its output gradient split the
+way the backward kernels take it.
 
 A normalized call returns o = num / d with d = den + eps, where num is the operator on v and den
 the operator on a column of ones. Given dL/do, the gradient of num is do / d and that of den is
@@ -18,6 +19,22 @@ from .launch import cdiv, pow2_block
 
 # rows (tokens x heads) per program
 ROWS = 32
+
+
+def with_ones(v: torch.Tensor) -> torch.Tensor:
+    """[v | 1] along the last dim: the values of a normalized call, whose denominator is the
+    operator on the last column (v [..., V] -> [..., V + 1], v's dtype)."""
+    return torch.cat([v, torch.ones_like(v[..., :1])], -1)
+
+
+def with_column(x, col):
+    """[x | col]: a state x [..., R, C] with one more column col [..., R] (zeros when col is None;
+    cast to x's dtype), contiguous; None when x is None. A normalized call's state beside its
+    denominator's (W beside z, P beside p, ...), as the kernels on [v | 1] carry them."""
+    if x is None:
+        return None
+    col = torch.zeros_like(x[..., 0]) if col is None else col.to(x.dtype)
+    return torch.cat([x, col[..., None]], -1)
 
 
 @triton.jit

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .gates import chunk_local_cumsum
+from .normalize import with_column, with_ones
 
 
 def to_chunks(x: torch.Tensor, C: int) -> torch.Tensor:
@@ -64,9 +65,9 @@ def run_with_normalizer(chunk_fn, cls, norm_of: dict, q, k, v, g, normalize, eps
     carried = [f for f in cls._fields if f not in norm_of.values()]
     st = None
     if normalize:
-        vc = torch.cat([vc, torch.ones_like(vc[..., :1])], dim=-1)
+        vc = with_ones(vc)
         if initial_state is not None:
-            st = tuple(torch.cat([getattr(initial_state, f), getattr(initial_state, norm_of[f])[..., None]], dim=-1)
+            st = tuple(with_column(getattr(initial_state, f), getattr(initial_state, norm_of[f]))
                        if f in norm_of else getattr(initial_state, f) for f in carried)
     elif initial_state is not None:
         st = tuple(getattr(initial_state, f) for f in carried)

@@ -52,7 +52,7 @@ from ..common.launch import (
     autograd_records, bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments,
     plan_pieces, pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
 )
-from ..common.normalize import normalized_output_grad
+from ..common.normalize import normalized_output_grad, with_column, with_ones
 from .chunk_kernels import (
     hla2_bwd_fold_kernel, hla2_bwd_grad_kernel, hla2_bwd_ones_kernel, hla2_bwd_state_kernel, hla2_fwd_fold_kernel,
     hla2_fwd_kernel, hla2_fwd_key_walk_kernel, hla2_fwd_output_kernel, hla2_fwd_summary_kernel,
@@ -725,11 +725,7 @@ class HLA2LayersFunction(torch.autograd.Function):
 def _with_ones(v, s0, w0, z0):
     """A normalized call's values [v | 1] and, with an initial state, W0 as [W0 | z0] (z0 zeros
     when absent): the denominator is the numerator's last column (W's last column is z)."""
-    v = torch.cat([v, torch.ones_like(v[..., :1])], -1)
-    if s0 is not None:
-        z0 = torch.zeros_like(w0[..., 0]) if z0 is None else z0
-        w0 = torch.cat([w0, z0[..., None]], -1).contiguous()
-    return v, w0
+    return with_ones(v), (with_column(w0, z0).contiguous() if s0 is not None else w0)
 
 
 def _quotient(o, V, eps, dtype):

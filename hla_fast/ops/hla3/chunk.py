@@ -66,6 +66,7 @@ from ..ahla.chunk import ahla_config, layer_bwd, layer_fwd
 from ..common.compile import compile_ahead, launch_kernel
 from ..common.config import ChunkConfig, chunk_or_default, refuse_ahla_fields, refuse_split_forward
 from ..common.launch import autograd_records, snapshot_dtype
+from ..common.normalize import with_column, with_ones
 from ..common.gates import log_gate_grad
 from ..hla2 import chunk as hla2_chunk
 from .state import HLA3State
@@ -239,10 +240,9 @@ def hla3_chunked(q, k, v, g, gamma, state, normalize, eps, config=None, chunk_si
         s0, p0, f0 = state.S.contiguous(), state.P, state.F
     if normalize:
         # the denominator is the numerator with v -> 1: one more value column, one more state column
-        vv = torch.cat([v, torch.ones_like(v[..., :1])], -1)
+        vv = with_ones(v)
         if state is not None:
-            p0 = torch.cat([p0, state.p[..., None]], -1)
-            f0 = torch.cat([f0, state.f[..., None]], -1)
+            p0, f0 = with_column(p0, state.p), with_column(f0, state.f)
     if state is not None:
         p0, f0 = p0.contiguous(), f0.contiguous()
     if config is not None:
