@@ -52,12 +52,14 @@ def hla3(q, k, v, *, gamma=None, g=None, normalize=False, eps=1e-6, initial_stat
             depend on it.
         backend: "triton", "torch" or None (triton for CUDA tensors, torch otherwise).
         config: the triton backend's layout: a ChunkConfig for both stages, a tuple
-            (first stage's, second stage's), or None for each stage's rule (``hla3_config`` for
-            the second, HLA2's kernels at rate 2, and AHLA's for the first, its first layer;
-            ``hla_fast/ops/hla3/chunk.py``). The first stage reads fwd_chunk, fwd_segments,
+            (first stage's, second stage's), or None for the rule's pair (``stage_rules`` in
+            ``hla_fast/ops/hla3/chunk.py``: ``hla3_config`` for the second, HLA2's rule at rate
+            2, its fused kernels or first-order layers, and AHLA's for the first, its first
+            layer, or the layers' walk). The first stage reads fwd_chunk, fwd_segments,
             fwd_warps, fwd_stages, fwd_block_v, fwd_prefetch, bwd_chunk, bwd_warps and
-            save_states; the second those but fwd_prefetch, and bwd_segments, bwd_stages,
-            grad_parts, bwd_pieces, fwd_output_pass and fwd_row_blocks.
+            save_states; the second, on HLA2's fused kernels, those but fwd_prefetch, and
+            bwd_segments, bwd_stages, grad_parts, bwd_pieces, fwd_output_pass and
+            fwd_row_blocks; with ``layers`` (two first-order layers) the first stage's fields.
         cu_seqlens: None, or int32 offsets [N + 1] of N sequences packed along T (B == 1);
             initial_state and the final state then have N rows. Runs as a padded batch of N
             (``hla_fast/ops/common/varlen.py``: exact; costs N * max length rows).
