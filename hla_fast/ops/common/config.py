@@ -163,6 +163,13 @@ class ChunkConfig:
                                  f"bwd_prefetch=False and bwd_layers=False (each layer's backward walks whole "
                                  f"sequences by its own kernels), got {clash}")
 
+    @property
+    def keeps_states(self) -> bool:
+        """Whether a forward that will be differentiated keeps its chunk-start states for the
+        backward: ``save_states`` and both passes in chunks of one size (states at other chunks
+        would not serve the backward's)."""
+        return self.save_states and self.fwd_chunk == self.bwd_chunk
+
     def replace(self, **changes) -> "ChunkConfig":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)

@@ -37,6 +37,12 @@ def with_column(x, col):
     return torch.cat([x, col[..., None]], -1)
 
 
+def quotient(o: torch.Tensor, V: int, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """The normalized output from the operator on [v | 1], o [..., V + 1]: its first V columns over
+    its last (+ eps), in fp32, then in ``dtype``."""
+    return (o[..., :V].float() / (o[..., V:].float() + eps)).to(dtype)
+
+
 @triton.jit
 def normalized_grad_kernel(
     do, o,          # [N, V] rows of the output gradient and the (normalized) output, input dtype

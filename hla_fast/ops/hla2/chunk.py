@@ -52,7 +52,7 @@ from ..common.launch import (
     autograd_records, bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments,
     plan_pieces, pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
 )
-from ..common.normalize import normalized_output_grad, with_column, with_ones
+from ..common.normalize import normalized_output_grad, quotient, with_column, with_ones
 from .chunk_kernels import (
     hla2_bwd_fold_kernel, hla2_bwd_grad_kernel, hla2_bwd_ones_kernel, hla2_bwd_state_kernel, hla2_fwd_fold_kernel,
     hla2_fwd_kernel, hla2_fwd_key_walk_kernel, hla2_fwd_output_kernel, hla2_fwd_summary_kernel,
@@ -293,7 +293,7 @@ def keeps_states(cfg: ChunkConfig, q, q2, V: int) -> bool:
     """Whether a training forward on (q, q2) with V value columns keeps its chunk-start states for
     the backward: one chunk size in both passes and one backward value block (else ``bwd_launch``
     recomputes them). Also for ``hla3``'s second stage."""
-    return cfg.save_states and cfg.fwd_chunk == cfg.bwd_chunk and V <= _bwd_width(q, q2)
+    return cfg.keeps_states and V <= _bwd_width(q, q2)
 
 
 def _common(q, gamma, g, rate):
@@ -698,7 +698,7 @@ class HLA2LayersFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, s0, w0, gamma, cfg, rate, launch):
         ctx.set_materialize_grads(False)
         grads = any(ctx.needs_input_grad[:6])
-        keep = grads and cfg.save_states and cfg.fwd_chunk == cfg.bwd_chunk
+        keep = grads and cfg.keeps_states
         s0t = transposed(s0)   # the inner layer's state is S^T: it reads q^T S
         o, sT, wT, kp, cs_s, cs_w = layers_fwd(q, k, v, g, gamma, s0t, w0, cfg, rate, keep, launch)
         final = (sT, wT) if g is not None and ctx.needs_input_grad[3] else (None, None)
@@ -722,29 +722,17 @@ class HLA2LayersFunction(torch.autograd.Function):
         return dq, dk, dv, dg, ds0, dw0, None, None, None, None
 
 
-def _with_ones(v, s0, w0, z0):
-    """A normalized call's values [v | 1] and, with an initial state, W0 as [W0 | z0] (z0 zeros
-    when absent): the denominator is the numerator's last column (W's last column is z)."""
-    return with_ones(v), (with_column(w0, z0).contiguous() if s0 is not None else w0)
-
-
-def _quotient(o, V, eps, dtype):
-    """The normalized output from the operator on [v | 1]: its first V columns over its last
-    (+ eps), in fp32, then in ``dtype``."""
-    return (o[..., :V].float() / (o[..., V:].float() + eps)).to(dtype)
-
-
 def _layers_call(q, k, v, g, gamma, s0, w0, z0, normalize, eps, cfg, rate, launch):
     """HLA2 as first-order layers (:class:`HLA2LayersFunction`); normalized, on [v | 1] (W's last
     column is z) with the quotient taken here. Returns as :func:`hla2_chunked`."""
     _check_rate(rate, normalize)
     V = v.shape[-1]
     if normalize:
-        v, w0 = _with_ones(v, s0, w0, z0)
+        v, w0 = with_ones(v), with_column(w0, z0)
     o, S, W = HLA2LayersFunction.apply(q, k, v, g, s0, w0, gamma, cfg, rate, launch)
     if not normalize:
         return o, S, W, None
-    return _quotient(o, V, eps, v.dtype), S, W[..., :V], W[..., V]
+    return quotient(o, V, eps, v.dtype), S, W[..., :V], W[..., V]
 
 
 def _feature_blocks(K):
@@ -794,7 +782,7 @@ def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chu
             return _layers_call(q, k, v, g, gamma, s0, w0, z0, normalize, eps, cfg, rate, launch)
         return HLA2ChunkFunction.apply(q, k, None, None, v, g, s0, w0, z0, gamma, normalize, eps, cfg, rate, launch)
     if normalize:
-        v, w0 = _with_ones(v, s0, w0, z0)
+        v, w0 = with_ones(v), with_column(w0, z0)
     qs = [q[..., a0:a1].contiguous() for a0, a1 in blocks]
     ks = [k[..., a0:a1].contiguous() for a0, a1 in blocks]
     o, s_rows, w_rows = None, [], []
@@ -818,4 +806,4 @@ def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chu
     S, W = torch.cat(s_rows, -2), torch.cat(w_rows, -2)
     if not normalize:
         return o.to(v.dtype), S, W, None
-    return _quotient(o, V, eps, v.dtype), S, W[..., :V], W[..., V]
+    return quotient(o, V, eps, v.dtype), S, W[..., :V], W[..., V]

@@ -66,7 +66,7 @@ from ..ahla.chunk import ahla_config, layer_bwd, layer_fwd
 from ..common.compile import compile_ahead, launch_kernel
 from ..common.config import ChunkConfig, chunk_or_default, refuse_ahla_fields, refuse_split_forward
 from ..common.launch import autograd_records, snapshot_dtype
-from ..common.normalize import with_column, with_ones
+from ..common.normalize import quotient, with_column, with_ones
 from ..common.gates import log_gate_grad
 from ..hla2 import chunk as hla2_chunk
 from .state import HLA3State
@@ -173,13 +173,12 @@ class HLA3StagedFunction(torch.autograd.Function):
         # state's cotangents are [B, H, K, K]-sized: zeros would cost memory and a walk from zero)
         ctx.set_materialize_grads(False)
         grads = any(ctx.needs_input_grad[:7])
-        same_chunk = cfg1.save_states and cfg1.fwd_chunk == cfg1.bwd_chunk
         # -- first stage: R = LA(q, k, v) from P0 ------------------------------------------------
-        r, pT, cs_p = layer_fwd(q, k, v, g, gamma, p0, cfg1, keep_states=grads and same_chunk, launch=launch)
+        r, pT, cs_p = layer_fwd(q, k, v, g, gamma, p0, cfg1, keep_states=grads and cfg1.keeps_states, launch=launch)
         # -- second stage: HLA2 at rate 2 on (q, k, R) from (S0, F0) -----------------------------
         if cfg2.layers:
             # K' = LA(q, k, k; g) from S0^T, then o = LA(q, K', R; 3 g) from F0
-            keep = grads and cfg2.save_states and cfg2.fwd_chunk == cfg2.bwd_chunk
+            keep = grads and cfg2.keeps_states
             s0 = hla2_chunk.transposed(s0)   # the stage's initial state from here on: the inner layer reads q^T S0
             o, sT, fT, kp, cs_s, cs_f = hla2_chunk.layers_fwd(q, k, r, g, gamma, s0, f0, cfg2, 2, keep, launch)
         else:
@@ -257,5 +256,5 @@ def hla3_chunked(q, k, v, g, gamma, state, normalize, eps, config=None, chunk_si
     o, S, P, F = HLA3StagedFunction.apply(q, k, vv, g, s0, p0, f0, gamma, cfg1, cfg2, launch)
     if not normalize:
         return o, HLA3State(S, P, F, None, None)
-    o = (o[..., :V].float() / (o[..., V:].float() + eps)).to(v.dtype)
+    o = quotient(o, V, eps, v.dtype)
     return o, HLA3State(S, P[..., :V], F[..., :V], P[..., V], F[..., V])
