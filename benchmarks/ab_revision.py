@@ -92,7 +92,9 @@ def rule_config(op, q, v, changes, training, gated=False, normalize=False):
     rule for (autograd recording it or not: ``training``; with log-gates: ``gated``; normalized),
     changed by ``changes``. hla3: the pair (first stage's rule, second stage's changed:
     ``hla3.chunk.stage_rules``), so that a change times the second stage's layout alone (its
-    kernels see V + 1 values when normalized)."""
+    kernels see V + 1 values when normalized); a second stage changed into (or kept as) layers is
+    passed alone, setting both stages as the rule's pair does then (and as ``fwd_shared_walk``
+    needs)."""
     import hla_fast
 
     B, T, H, K = q.shape
@@ -104,7 +106,8 @@ def rule_config(op, q, v, changes, training, gated=False, normalize=False):
         return hla_fast.hla2_config(*shape, gated=gated, normalize=normalize, training=training).replace(**changes)
     from hla_fast.ops.hla3.chunk import stage_rules
     first, second = stage_rules(*shape, gated=gated, training=training, normalize=normalize)
-    return first, second.replace(**changes)
+    second = second.replace(**changes)
+    return second if second.layers else (first, second)
 
 
 def rel(a, b):

@@ -97,13 +97,19 @@ def hla3_g(q, k, v, g):
 def with_layout(first_changes, second_changes):
     """hla3 (gamma) with each stage's rule, asked as the call asks it (``ab_revision.rule_config``:
     autograd recording or not), changed: ``first_changes`` to the first stage's (AHLA's rule),
-    ``second_changes`` to the second's (``hla3_config``), as ``config=(first, second)``."""
+    ``second_changes`` to the second's (``hla3_config``), as ``config=(first, second)``; a second
+    stage run as layers sets both stages (one config: the first stage is its walk), so there
+    ``first_changes`` must be ``second_changes`` or empty."""
     from ab_revision import rule_config
     from hla_fast.ops.common.launch import autograd_records
 
     def call(q, k, v):
-        first, second = rule_config("hla3", q, v, second_changes, autograd_records(q, k, v))
-        cfg = (first.replace(**first_changes), second)
+        cfg = rule_config("hla3", q, v, second_changes, autograd_records(q, k, v))
+        if isinstance(cfg, tuple):
+            cfg = (cfg[0].replace(**first_changes), cfg[1])
+        elif first_changes and first_changes != second_changes:
+            raise ValueError(f"the layered second stage sets both stages: first_changes {first_changes} must be "
+                             f"second_changes {second_changes} or empty")
         return hla_fast.hla3(q, k, v, gamma=GAMMA, backend="triton", config=cfg)[0]
 
     return call

@@ -115,9 +115,13 @@ def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, 
     else:   # hla3: its autograd Function itself (both stages, and their backward when training)
         from hla_fast.ops.common.compile import rehearse
 
-        # the first stage in its own rule's layout (the config changes apply to both stages)
-        cfg1 = chunk.first_stage_config(B, T, H, K, V, dtype, cuda, training=not forward_only).replace(
-            **(changes or {}))
+        # the first stage in its own rule's layout (the config changes apply to both stages), or,
+        # when the second runs as layers, in the same walk (``hla3.chunk.stage_configs``)
+        if cfg.layers:
+            cfg1, cfg = chunk.stage_configs(cfg)
+        else:
+            cfg1 = chunk.first_stage_config(B, T, H, K, V, dtype, cuda, training=not forward_only).replace(
+                **(changes or {}))
 
         def call(q, k, v, g, launch):
             return chunk.HLA3StagedFunction.apply(q, k, v, g, None, None, None, gamma, cfg1, cfg, launch)

@@ -65,6 +65,7 @@ def load(name):
                                           ("bench_hla3", "hla3_h200_stages_ab"),
                                           ("bench_hla3", "hla3_h200_stages_k128"),
                                           ("bench_hla3", "hla3_h200_split_second_stage"),
+                                          ("bench_hla3", "hla3_h200_shared_walk_bench"),
                                           ("bench_hla2", "hla2_h200_split_rule_k64"),
                                           ("bench_hla2", "hla2_h200_split_rule_k128"),
                                           ("bench_ahla", "ahla_h200_chunk128_calls"),
@@ -230,11 +231,13 @@ def test_ab_revision_changes_the_rule_for_this_trees_calls():
                 assert second == rule.replace(bwd_warps=8) and not second.layers
         cfg = ab.rule_config("ahla", q, v, {"fwd_warps": 8}, training)
         assert cfg == hla_fast.ahla_config(*shape, training=training).replace(fwd_warps=8)
-    # a long bf16 hla3 call runs its second stage as layers, and its first stage in the same walk
+    # a long bf16 hla3 call runs its second stage as layers, and its first stage in the same walk:
+    # one config sets both (as fwd_shared_walk needs), changed as asked
     q, v = torch.zeros(4, 4096, 2, 64, dtype=torch.bfloat16), torch.zeros(4, 4096, 2, 64, dtype=torch.bfloat16)
-    first, second = ab.rule_config("hla3", q, v, {"fwd_warps": 8}, False)
     rule = hla_fast.hla3_config(4, 4096, 2, 64, 64, q.dtype, q.device)
-    assert rule.layers and second == rule.replace(fwd_warps=8) and first == rule.replace(layers=False)
+    assert rule.layers and rule.fwd_shared_walk
+    for change in ({"fwd_warps": 8}, {"fwd_shared_walk": False}):
+        assert ab.rule_config("hla3", q, v, change, False) == rule.replace(**change)
 
 
 @pytest.mark.skipif(not load("compile_report").has_cuda_compiler(), reason="needs Triton's CUDA backend (compiler and ptxas)")

@@ -238,23 +238,25 @@ class Operator:
         return self.package or self.name
 
 
-def _as_layers(op):
+def _as_layers(op, shared=False):
     """``op`` with its triton calls run as first-order layers (``ChunkConfig.layers``; hla3's
-    second stage) in chunks of ``chunk_size`` (DEFAULT_CHUNK, 64, when None), whatever the rule
-    would take; other backends and a bad ``chunk_size`` go to ``op`` as given (its checks name
-    them)."""
+    second stage; ``shared``: hla3's R and K' in one walk, ``fwd_shared_walk``) in chunks of
+    ``chunk_size`` (DEFAULT_CHUNK, 64, when None), whatever the rule would take; other backends and
+    a bad ``chunk_size`` go to ``op`` as given (its checks name them)."""
     def call(q, k, v, *, backend=None, chunk_size=None, config=None, **kw):
         if backend == "triton" and config is None and chunk_size in (None, 16, 32, 64, 128):
             c = chunk_size or 64
-            config = hla_fast.ChunkConfig(fwd_chunk=c, bwd_chunk=c, grad_parts=(7,), layers=True)
+            config = hla_fast.ChunkConfig(fwd_chunk=c, bwd_chunk=c, grad_parts=(7,), layers=True,
+                                          fwd_shared_walk=shared)
         return op(q, k, v, backend=backend, chunk_size=chunk_size, config=config, **kw)
 
-    call.__name__ = f"{op.__name__}_layers"
+    call.__name__ = f"{op.__name__}_{'shared_walk' if shared else 'layers'}"
     return call
 
 
 hla2_layers = _as_layers(hla_fast.hla2)
 hla3_layers = _as_layers(hla_fast.hla3)
+hla3_shared_walk = _as_layers(hla_fast.hla3, shared=True)
 
 
 def _hla2_state_shapes(B, H, K, V, norm):
@@ -281,6 +283,9 @@ OPERATORS = [
              ref_hla3, brute_hla3, norm_fields=frozenset({"p", "f"}), naive=hla3_naive_quadratic,
              garbage_within_chunk=False),
     Operator("hla3_layers", hla3_layers, hla_fast.hla3_step, hla_fast.HLA3State, _hla3_state_shapes,
+             ref_hla3, brute_hla3, norm_fields=frozenset({"p", "f"}), naive=hla3_naive_quadratic,
+             garbage_within_chunk=False, package="hla3"),
+    Operator("hla3_shared_walk", hla3_shared_walk, hla_fast.hla3_step, hla_fast.HLA3State, _hla3_state_shapes,
              ref_hla3, brute_hla3, norm_fields=frozenset({"p", "f"}), naive=hla3_naive_quadratic,
              garbage_within_chunk=False, package="hla3"),
 ]

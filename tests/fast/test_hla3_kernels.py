@@ -13,7 +13,7 @@ from .helpers import (
 
 import hla_fast
 from hla_fast import ChunkConfig
-from hla_fast.ops.common.launch import min_key_block
+from hla_fast.ops.common.launch import min_key_block, pow2_block
 
 chunk = importlib.import_module("hla_fast.ops.hla3.chunk")
 
@@ -322,7 +322,10 @@ def test_config_rule(monkeypatch):
                 for normalize in (False, True):
                     got = hla_fast.hla3_config(*args, gated=gated, training=training, normalize=normalize)
                     if takes_layers(T, K, V, dtype, normalize, training):
-                        assert got == layers_config(*args, training=training) and got.layers
+                        # R and K' in one walk for tiles up to SHARED_WALK_MAX wide
+                        shared = max(pow2_block(K), pow2_block(V)) <= chunk.SHARED_WALK_MAX
+                        assert got == layers_config(*args, training=training).replace(fwd_shared_walk=shared)
+                        assert got.layers and got.fwd_shared_walk == (K == 64)
                     else:
                         assert got == fused_config(*args, gated=gated, training=training) and not got.layers
                     seen.add(got.layers)
@@ -341,8 +344,16 @@ def test_config_rule(monkeypatch):
     assert hla_fast.ahla_config(*long128).bwd_prefetch
     for args in (long128, (4, 32768, 16, 64, 64, torch.bfloat16, cuda)):
         for training in (False, True):
-            pair = (chunk.first_stage_config(*args, training=training), hla_fast.hla3_config(*args, training=training))
-            assert not pair[0].bwd_prefetch and chunk.stage_configs(pair) == pair
+            second = hla_fast.hla3_config(*args, training=training)
+            pair = (chunk.first_stage_config(*args, training=training), second)
+            assert not pair[0].bwd_prefetch
+            if second.fwd_shared_walk:   # the first stage runs in the second's walk: one config, not a pair
+                with pytest.raises(ValueError, match=r"config\[1\].fwd_shared_walk runs the first stage's layer in "
+                                                     r"the second stage's walk and layout: pass one ChunkConfig"):
+                    chunk.stage_configs(pair)
+                assert chunk.stage_configs(second) == chunk.stage_rules(*args, training=training)
+            else:
+                assert chunk.stage_configs(pair) == pair
     for rule in rules + (hla_fast.ahla_config,):
         rule.cache_clear()   # nothing cached while the rule saw a GPU's layouts stays
     with pytest.raises(TypeError, match="config must be a ChunkConfig"):
@@ -452,6 +463,60 @@ def test_the_second_stage_as_layers(gated, save, device, poison):
         assert rel(a, b) < TOL
     for a, b in zip(run((layers.replace(layers=False), layers)), layered):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("layout", ["one_segment", "segments", "segments_prefetch"])
+@pytest.mark.parametrize("save", [True, False])
+@pytest.mark.parametrize("gated", [False, True])
+def test_r_and_kprime_in_one_walk(gated, save, layout, device, poison):
+    """config.fwd_shared_walk: R = LA(q, k, v) and K' = LA(q, k, k) as one walk carrying P and S^T
+    (``ahla.chunk.layer_pair_fwd``), from an initial S that is not symmetric and an initial P and
+    F, in one segment or three (the second values' summaries and fold), loading ahead or not, with
+    the chunk states kept by the forward (each layer's, for its backward) or recomputed: outputs,
+    final states and every gradient as the three layers walked apart (fp32 rounding); d != dv, an
+    odd length."""
+    B, T, H, K, V = 1, 37, 2, 16, 24
+    q, k, v = rand_qkv(B, T, H, K, V, seed=41, device=device)
+    g = rand_gates(B, T, H, seed=42, strength=0.1, device=device) if gated else None
+    gen = torch.Generator().manual_seed(43)
+    S0, P0, F0 = ((torch.randn(B, H, K, n, generator=gen) * 0.2).to(device) for n in (K, V, V))
+    apart = ChunkConfig(fwd_chunk=16, bwd_chunk=16, grad_parts=(7,), layers=True, save_states=save,
+                        fwd_segments=1 if layout == "one_segment" else 3, fwd_prefetch=layout == "segments_prefetch")
+
+    def run(config, state=True):
+        ins = [x.detach().clone().requires_grad_() for x in (q, k, v, S0, P0, F0) + ((g,) if gated else ())]
+        decay = dict(g=ins[-1]) if gated else dict(gamma=0.9)
+        init = hla_fast.HLA3State(*ins[3:6]) if state else None
+        o, st = hla_fast.hla3(*ins[:3], initial_state=init, output_final_state=True, backend="triton",
+                              config=config, **decay)
+        (o.sin().sum() + st.S.cos().sum() + st.P.square().sum() + (st.F * st.F.flip(-1)).sum()).backward()
+        return [o, st.S, st.P, st.F] + [x.grad for x in ins if x.grad is not None]
+
+    for state in (True, False):
+        shared = run(apart.replace(fwd_shared_walk=True), state)
+        for a, b in zip(shared, run(apart, state), strict=True):
+            assert rel(a, b) < TOL
+
+
+def test_shared_walk_is_checked(device):
+    """config.fwd_shared_walk needs layers, is hla3's alone, and sets both stages (not a pair)."""
+    layers = ChunkConfig(fwd_chunk=16, bwd_chunk=16, grad_parts=(7,), layers=True)
+    with pytest.raises(ValueError, match="config.fwd_shared_walk needs config.layers .*got layers=False"):
+        ChunkConfig(fwd_shared_walk=True)
+    with pytest.raises(TypeError, match="config.fwd_shared_walk must be True or False, got 1"):
+        layers.replace(fwd_shared_walk=1)
+    shared = layers.replace(fwd_shared_walk=True)
+    q, k, v = rand_qkv(1, 5, 1, 8, 8, seed=3, device=device)
+    with pytest.raises(ValueError, match=r"config.fwd_shared_walk must be False for hla2 \(its first-order layers "
+                                         r"read different keys; only hla3's R and K' share theirs\), got True"):
+        hla_fast.hla2(q, k, v, gamma=0.9, backend="triton", config=shared)
+    with pytest.raises(ValueError, match="config.layers must be False for ahla"):
+        hla_fast.ahla(q, k, v, gamma=0.9, backend="triton", config=shared)
+    with pytest.raises(ValueError, match=r"config\[1\].fwd_shared_walk runs the first stage's layer in the second "
+                                         r"stage's walk and layout: pass one ChunkConfig for both stages, not a pair"):
+        hla_fast.hla3(q, k, v, gamma=0.9, backend="triton", config=(layers.replace(layers=False), shared))
+    first, second = chunk.stage_configs(shared)
+    assert second == shared and first == layers.replace(layers=False)
 
 
 def test_the_second_stage_rate_is_checked():

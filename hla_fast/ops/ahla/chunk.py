@@ -245,7 +245,7 @@ def _common(q, gamma, g):
 
 def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, segments=1, prefetch=False,
                stages=1, outputs=True, normalize=False, eps=0.0, store_final=True, snapshots=None, keep_r=False,
-               second=True, launch=launch_kernel):
+               second=True, v2=None, p20=None, launch=launch_kernel):
     """Run the forward walk (after the segment summaries and fold when ``segments > 1``).
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] or None; all contiguous. p0, e0: fp32
@@ -257,30 +257,41 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
     keep_r: with snapshots, also keep the first order's output R [B, T, H, V] (v's dtype) for the
     layered backward. second=False: the first layer alone (:func:`layer_fwd`): o is R, and E, its
     snapshots and the summaries' R moment are neither computed nor returned (None); not normalized.
+    v2 (with second=False): a second value tensor [B, T, H, V2] walked beside v with the same q, k
+    (``ahla_fwd_kernel``'s HAS_V2: R2 = LA(q, k, v2) from p20, fp32 [B, H, K, V2] or None); its
+    programs hold all of V's columns, whatever ``block_v``.
     Returns (o [B, T, H, V] or None, den [B, T, H] fp32 or None, P_T, E_T, p_T or None,
-    e_T or None, (cs_p, cs_e, R or None) or None; cs_p, cs_e [B*H, NT, K, V])."""
+    e_T or None, (cs_p, cs_e, R or None) or None, (R2, P2_T or None, cs_p2 or None) or None;
+    cs_p, cs_e [B*H, NT, K, V])."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     BH, dev, f32 = B * H, q.device, torch.float32
     BK = pow2_block(K, min_key_block(dev))
-    BV = value_block(V, block_v, dev)
+    if v2 is not None and (second or normalize):
+        raise ValueError("a second value tensor (v2) is for the first layer alone (second=False), not normalized")
+    V2 = 0 if v2 is None else v2.shape[-1]
+    BV = value_block(V, block_v if v2 is None else pow2_block(V), dev)
+    BV2 = value_block(V2, pow2_block(V2), dev) if V2 else 16   # (16: an unused placeholder tile)
     NV, NT = cdiv(V, BV), cdiv(T, chunk)
     NS, nseg = split_segments(NT, segments)
     if not second and normalize:
         raise ValueError("the first layer alone (second=False) is not normalized")
     flags, lg = _common(q, gamma, g)
     kw = dict(H=H, K=K, V=V, BT=chunk, BK=BK, BV=BV, num_warps=warps, num_stages=stages, **flags)
-    walk = dict(kw, PREFETCH=prefetch, SCALE_ROWS=chunk >= SCALE_ROWS_MIN_CHUNK)
+    walk = dict(kw, PREFETCH=prefetch, SCALE_ROWS=chunk >= SCALE_ROWS_MIN_CHUNK, V2=V2, BV2=BV2)
     if normalize and p0 is not None:
         pn0 = torch.zeros(B, H, K, device=dev, dtype=f32) if pn0 is None else pn0
         en0 = torch.zeros(B, H, K, device=dev, dtype=f32) if en0 is None else en0
     elif not normalize:
         pn0 = en0 = None
-    h0 = (p0, e0, pn0, en0)
+    if v2 is not None and (p0 is None) != (p20 is None):   # both states or neither (HAS_INIT is both's)
+        p0 = torch.zeros(B, H, K, V, device=dev, dtype=f32) if p0 is None else p0
+        p20 = torch.zeros(B, H, K, V2, device=dev, dtype=f32) if p20 is None else p20
+    h0, h02 = (p0, e0, pn0, en0), p20
     if nseg > 1:
         # -- every segment's summary from a zero state, then every segment's start state ----------
-        def kv():
-            return torch.empty(BH * nseg, K, V, device=dev, dtype=f32)
+        def kv(width=V):
+            return torch.empty(BH * nseg, K, width, device=dev, dtype=f32)
 
         def kvec():
             return torch.empty(BH * nseg, K, device=dev, dtype=f32) if normalize else None
@@ -288,12 +299,20 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
         sums = dict(sum_p=kv(), sum_e=kv() if second else None, sum_pn=kvec(), sum_en=kvec(),
                     sum_r=torch.empty(BH * nseg, K, K, device=dev, dtype=f32) if second else None,
                     sum_lr=torch.empty(BH * nseg, device=dev, dtype=f32))
-        launch(ahla_fwd_summary_kernel, (NV, nseg, BH), q=q, k=k, v=v, g=g, **sums, log_gamma=lg, T=T, NS=NS, **walk)
+        sum_p2 = kv(V2) if V2 else None
+        launch(ahla_fwd_summary_kernel, (NV, nseg, BH), q=q, k=k, v=v, g=g, v2=v2, sum_p2=sum_p2, **sums,
+               log_gamma=lg, T=T, NS=NS, **walk)
         seg = (kv(), kv() if second else None, kvec(), kvec())
+        fold = dict(NSEG=nseg, K=K, BK=BK, PREC=flags["PREC"], num_warps=warps)
         launch(ahla_fwd_fold_kernel, (NV, BH),
             **sums, h0_p=p0, h0_e=e0, h0_pn=pn0, h0_en=en0, seg_p=seg[0], seg_e=seg[1], seg_pn=seg[2],
-            seg_en=seg[3], NSEG=nseg, K=K, V=V, BK=BK, BV=BV, PREC=flags["PREC"], num_warps=warps)
+            seg_en=seg[3], V=V, BV=BV, **fold)
         h0 = seg
+        if V2:   # P2 folds as P does, on the same log decays
+            h02 = kv(V2)
+            launch(ahla_fwd_fold_kernel, (1, BH), sum_p=sum_p2, sum_e=None, sum_pn=None, sum_en=None, sum_r=None,
+                   sum_lr=sums["sum_lr"], h0_p=p20, h0_e=None, h0_pn=None, h0_en=None, seg_p=h02, seg_e=None,
+                   seg_pn=None, seg_en=None, V=V2, BV=BV2, **fold)
     o = torch.empty_like(v) if (outputs and second) else None
     den = torch.empty(B, T, H, device=dev, dtype=f32) if (outputs and normalize) else None
     ht = (None,) * 4
@@ -310,12 +329,17 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
     r = None if cs is None else cs[2]
     if not second:   # the first layer's output R is what this call returns
         r = torch.empty_like(v)
+    out2 = (None,) * 3
+    if v2 is not None:   # R2, P2_T and P2's snapshots
+        out2 = (torch.empty_like(v2), torch.empty(B, H, K, V2, device=dev, dtype=f32) if store_final else None,
+                None if cs is None else torch.empty(BH, NT, K, V2, device=dev, dtype=snapshots))
     launch(ahla_fwd_kernel, (NV, nseg, BH),
         q=q, k=k, v=v, g=g, o=o, den=den, h0_p=h0[0], h0_e=h0[1], h0_pn=h0[2], h0_en=h0[3],
         ht_p=ht[0], ht_e=ht[1], ht_pn=ht[2], ht_en=ht[3],
         cs_p=None if cs is None else cs[0], cs_e=None if cs is None else cs[1], r=r,
+        v2=v2, r2=out2[0], h0_p2=h02, ht_p2=out2[1], cs_p2=out2[2],
         log_gamma=lg, eps=eps, T=T, NS=NS, **walk)
-    return o if second else r, den, ht[0], ht[1], ht[2], ht[3], cs
+    return o if second else r, den, ht[0], ht[1], ht[2], ht[3], cs, (out2 if v2 is not None else None)
 
 
 def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *, states=None, want_db=False,
@@ -454,11 +478,28 @@ def layer_fwd(q, k, v, g, gamma, p0, cfg: ChunkConfig, *, keep_states=False, lau
     or None. keep_states: also the chunk-start states at chunk ``cfg.fwd_chunk`` for
     :func:`layer_bwd` (in the snapshots' dtype). Returns (R [B, T, H, V] (v's dtype), P_T fp32
     [B, H, K, V], cs_p [B*H, NT, K, V] or None)."""
-    r, _, PT, _, _, _, cs = fwd_launch(
+    r, _, PT, _, _, _, cs, _ = fwd_launch(
         q, k, v, g, gamma, p0, None, None, None, chunk=cfg.fwd_chunk, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v,
         segments=cfg.fwd_segments, prefetch=cfg.fwd_prefetch, stages=cfg.fwd_stages,
         snapshots=snapshot_dtype(cfg, q.dtype) if keep_states else None, second=False, launch=launch)
     return r, PT, None if cs is None else cs[0]
+
+
+def layer_pair_fwd(q, k, v, v2, g, gamma, p0, p20, cfg: ChunkConfig, *, keep_states=False, launch=launch_kernel):
+    """Two first-order layers on the same queries and keys, R = LA(Q, K, V) from P0 and
+    R2 = LA(Q, K, V2) from P2_0, in one walk (``ahla_fwd_kernel``'s HAS_V2) in ``cfg``'s forward
+    layout but for its value block: each program holds all of V's and V2's columns, reads each
+    chunk's Q and K once and forms one A = (Q K^T) o G for both. Third order's R and K' (V2 = K,
+    ``ChunkConfig.fwd_shared_walk``).
+
+    q, k: [B, T, H, K]; v: [B, T, H, V]; v2: [B, T, H, V2]; g: [B, T, H] or None (contiguous); p0,
+    p20: fp32 [B, H, K, V], [B, H, K, V2] or None. keep_states: as :func:`layer_fwd`'s, each layer's.
+    Returns (R, R2 (the values' dtypes), P_T, P2_T fp32, cs_p, cs_p2 ([B*H, NT, K, .]) or None)."""
+    r, _, PT, _, _, _, cs, (r2, PT2, cs2) = fwd_launch(
+        q, k, v, g, gamma, p0, None, None, None, chunk=cfg.fwd_chunk, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v,
+        segments=cfg.fwd_segments, prefetch=cfg.fwd_prefetch, stages=cfg.fwd_stages,
+        snapshots=snapshot_dtype(cfg, q.dtype) if keep_states else None, second=False, v2=v2, p20=p20, launch=launch)
+    return r, r2, PT, PT2, None if cs is None else cs[0], cs2
 
 
 def ahla_fwd(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg: ChunkConfig, keep_states=False,
@@ -472,7 +513,7 @@ def ahla_fwd(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg: ChunkConf
     or None, cs_p, cs_e [B*H, NT, K, V] or None, R [B, T, H, V] or None)."""
     _check_config(cfg, q.shape[-1])
     save = keep_states and not normalize and cfg.fwd_chunk == cfg.bwd_chunk
-    o, den, PT, ET, pT, eT, cs = fwd_launch(
+    o, den, PT, ET, pT, eT, cs, _ = fwd_launch(
         q, k, v, g, gamma, p0, e0, pn0, en0, chunk=cfg.fwd_chunk, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v,
         segments=cfg.fwd_segments, prefetch=cfg.fwd_prefetch, stages=cfg.fwd_stages, normalize=normalize, eps=eps,
         snapshots=snapshot_dtype(cfg, q.dtype) if save else None, keep_r=cfg.bwd_layers, launch=launch)

@@ -80,6 +80,13 @@ products instead of preceding them; the price is the carried tiles' registers, s
 (``chunk.ahla_config``) takes it only where it measured faster. The loads past the walk's range
 are masked to nothing.
 
+A second value tensor (HAS_V2, the first layer alone). Two first-order layers on the same queries
+and keys, R = LA(Q, K, V) and R2 = LA(Q, K, V2) (third order's R and K', V2 = K), share each chunk's
+tiles of Q and K and its A: the walk then carries a second state P2 = sum_j exp(b_t - b_j) k_j v2_j^T
+[BK, BV2] beside P (all of V's and V2's columns in one program), R2 = diag(g1) Q P2_0 + A V2 and
+P2 <- gC P2_0 + Kg^T V2 being E's lines with V2 in R's place; the segment summaries carry P2 too and
+the fold runs once more on them (P2 folds as P does).
+
 Masks are applied by selection (``tl.where``), not by multiplying with 0. The matrix products still
 multiply: a non-finite q or k at row r makes R's row r non-finite, and A R then reaches every row
 of the chunk (0 times a non-finite number); earlier chunks are untouched.
@@ -154,6 +161,34 @@ def _step_loads(q, k, x, n_q, n_k, n_x, off_k, off_x, t, mt, tn, mn, rk, mk, rv,
 
 
 @triton.jit
+def _first_values2(v2, off_v2, t, mt, rv2, mv2, H: tl.constexpr, V2: tl.constexpr, HAS_V2: tl.constexpr,
+                   PREFETCH: tl.constexpr):
+    """With HAS_V2 and PREFETCH, V2's tile [BT, BV2] of the walk's first chunk as read (``_first_loads``)."""
+    if HAS_V2 and PREFETCH:
+        n_v2 = read_rows(v2 + off_v2, t, mt, rv2, mv2, H * V2)
+    else:
+        n_v2 = 0.0
+    return n_v2
+
+
+@triton.jit
+def _step_values2(v2, n_v2, off_v2, t, mt, tn, mn, rv2, mv2, H: tl.constexpr, V2: tl.constexpr,
+                  IS_BF16: tl.constexpr, HAS_V2: tl.constexpr, PREFETCH: tl.constexpr):
+    """With HAS_V2, this chunk's V2 tile [BT, BV2] cast for the dots, and the tile carried to the
+    walk's next step (``_step_loads`` for V2); else placeholders."""
+    if HAS_V2:
+        if PREFETCH:
+            b_v2 = n_v2
+            n_v2 = read_rows(v2 + off_v2, tn, mn, rv2, mv2, H * V2)
+        else:
+            b_v2 = read_rows(v2 + off_v2, t, mt, rv2, mv2, H * V2)
+        b_v2 = cast(b_v2, IS_BF16)
+    else:
+        b_v2 = 0.0
+    return b_v2, n_v2
+
+
+@triton.jit
 def _chunk_first_order(b_q, b_kt, b_v, P, pn, G, g1, NORM: tl.constexpr, IS_BF16: tl.constexpr,
                        PREC: tl.constexpr):
     """A = (Q K^T) o G [BT, BT], R = diag(g1) Q P0 + A V [BT, BV] of one chunk, and R's
@@ -201,10 +236,14 @@ def _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM: tl.constexpr, 
     "STORE_FINAL": lambda a: a["ht_p"] is not None,
     "NORM": lambda a: a["ht_pn"] is not None or a["den"] is not None,
     "HAS_E": lambda a: a["o"] is not None or a["ht_e"] is not None or a["cs_e"] is not None,
+    "HAS_V2": lambda a: a["v2"] is not None,
 })
 @triton.jit
 def ahla_fwd_kernel(
     q, k, v, g,              # q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] or None
+    v2, r2, h0_p2, ht_p2, cs_p2,  # HAS_V2: second values [B, T, H, V2]; out: R2 = LA(q, k, v2); P2's start
+                             #   state per segment [B*H*NSEG, K, V2] (None: zero), final state [B*H, K, V2],
+                             #   snapshots [B*H, NT, K, V2] (each None when not asked for); all None without
     o, den,                  # out: o [B, T, H, V] or None; den [B, T, H] fp32 (normalize) or None
     h0_p, h0_e, h0_pn, h0_en,  # start state of every segment, fp32 [B*H*NSEG, K, V] x 2, [.., K] x 2; or None
                              #   (h0_e None: zero, or not carried)
@@ -217,7 +256,7 @@ def ahla_fwd_kernel(
     HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
     HAS_G: tl.constexpr, HAS_INIT: tl.constexpr, HAS_O: tl.constexpr, SAVE_STATES: tl.constexpr,
     STORE_R: tl.constexpr, STORE_FINAL: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr,
-    SCALE_ROWS: tl.constexpr, HAS_E: tl.constexpr,
+    SCALE_ROWS: tl.constexpr, HAS_E: tl.constexpr, V2: tl.constexpr, BV2: tl.constexpr, HAS_V2: tl.constexpr,
 ):
     """One program per (value block, segment, batch*head) walks its segment's chunks in order,
     keeping its columns of P and E (and all of p, e when NORM) in fp32 registers: outputs (HAS_O,
@@ -225,7 +264,9 @@ def ahla_fwd_kernel(
     layered backward (STORE_R) and the final state (STORE_FINAL, last segment).
 
     Without HAS_E (no output, E's snapshot or final state asked for) the walk is first-order
-    attention alone, R = LA(q, k, v) with state P: third order's first stage (``hla3``)."""
+    attention alone, R = LA(q, k, v) with state P: third order's first stage (``hla3``). HAS_V2
+    (without HAS_E or NORM, V in one block): also R2 = LA(q, k, v2) with state P2 (module docstring,
+    "A second value tensor")."""
     # -- which piece of work this program owns ---------------------------------------------
     i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NSEG = tl.num_programs(1)
@@ -249,27 +290,45 @@ def ahla_fwd_kernel(
     else:
         pn = 0.0
         en = 0.0
+    # the second values' columns, head offset and state (HAS_V2)
+    rv2 = tl.arange(0, BV2)
+    mv2 = rv2 < V2
+    off_v2 = off_g * V2
+    if HAS_V2:
+        P2 = mat_or_zeros(h0_p2, i_sg * K * V2, rk, mk, rv2, mv2, V2, BK, BV2, HAS_INIT)  # [BK, BV2]
+    else:
+        P2 = 0.0
 
     end = tl.minimum(hi * BT, T)                       # first token past the segment
     n_q, n_kt, n_v = _first_loads(q, k, v, off_k, off_v, lo * BT + rt, lo * BT + rt < end, rk, mk, rv, mv, H, K, V,
                                   True, PREFETCH)
+    n_v2 = _first_values2(v2, off_v2, lo * BT + rt, lo * BT + rt < end, rv2, mv2, H, V2, HAS_V2, PREFETCH)
     for i_c in range(lo, hi):
         t = i_c * BT + rt
         mt = t < T
         # -- the chunk's tiles (with PREFETCH loaded one step ahead) and decay factors -------
         b_q, b_kt, b_v, n_q, n_kt, n_v = _step_loads(q, k, v, n_q, n_kt, n_v, off_k, off_v, t, mt, t + BT, t + BT < end,
                                                      rk, mk, rv, mv, H, K, V, True, IS_BF16, PREFETCH)
-        G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
+        b_v2, n_v2 = _step_values2(v2, n_v2, off_v2, t, mt, t + BT, t + BT < end, rv2, mv2, H, V2, IS_BF16, HAS_V2,
+                                   PREFETCH)
+        G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY, HOIST=True)
         if SAVE_STATES:
-            off_cs = (i_bh.to(tl.int64) * NT + i_c) * K * V
-            store_mat(cs_p + off_cs, P, rk, mk, rv, mv, V)
+            i_cs = i_bh.to(tl.int64) * NT + i_c
+            store_mat(cs_p + i_cs * K * V, P, rk, mk, rv, mv, V)
             if HAS_E:
-                store_mat(cs_e + off_cs, E, rk, mk, rv, mv, V)
+                store_mat(cs_e + i_cs * K * V, E, rk, mk, rv, mv, V)
+            if HAS_V2:
+                store_mat(cs_p2 + i_cs * K * V2, P2, rk, mk, rv2, mv2, V2)
         # -- first order: R = diag(g1) Q P0 + A V ------------------------------------------
         b_a, b_r, r_n = _chunk_first_order(b_q, b_kt, b_v, P, pn, G, g1, NORM, IS_BF16, PREC)
         if STORE_R:
             tl.store(r + off_v + t[:, None] * (H * V) + rv[None, :], b_r.to(r.dtype.element_ty),
                      mask=mt[:, None] & mv[None, :])
+        # -- the second values: R2 = diag(g1) Q P2_0 + A V2 ------------------------------------
+        if HAS_V2:
+            b_r2 = dot(b_q, P2, IS_BF16, PREC) * g1[:, None] + dot(b_a, b_v2, IS_BF16, PREC)   # [BT, BV2]
+            tl.store(r2 + off_v2 + t[:, None] * (H * V2) + rv2[None, :], b_r2.to(r2.dtype.element_ty),
+                     mask=mt[:, None] & mv2[None, :])
         # -- second order: O = diag(g1) Q E0 + A R ------------------------------------------
         if HAS_O:
             b_o = dot(b_q, E, IS_BF16, PREC) * g1[:, None] + dot(b_a, b_r, IS_BF16, PREC)      # [BT, BV]
@@ -281,8 +340,11 @@ def ahla_fwd_kernel(
             tl.store(o + off_v + t[:, None] * (H * V) + rv[None, :], b_o.to(o.dtype.element_ty),
                      mask=mt[:, None] & mv[None, :])
         # -- carry the state to the chunk's end --------------------------------------------
-        P, E, pn, en = _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM, IS_BF16, PREC, SCALE_ROWS,
-                                    HAS_E)
+        if HAS_V2:   # P2 as E would be, with V2 in R's place
+            P, P2, pn, en = _chunk_carry(b_kt, b_v, b_v2, r_n, P, P2, pn, en, gl, gC, NORM, IS_BF16, PREC, SCALE_ROWS)
+        else:
+            P, E, pn, en = _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM, IS_BF16, PREC, SCALE_ROWS,
+                                        HAS_E)
 
     if STORE_FINAL:
         if i_n == NSEG - 1:
@@ -290,6 +352,8 @@ def ahla_fwd_kernel(
             store_mat(ht_p + base, P, rk, mk, rv, mv, V)
             if HAS_E:
                 store_mat(ht_e + base, E, rk, mk, rv, mv, V)
+            if HAS_V2:
+                store_mat(ht_p2 + i_bh.to(tl.int64) * K * V2, P2, rk, mk, rv2, mv2, V2)
             if NORM:
                 if i_v == 0:
                     tl.store(ht_pn + i_bh * K + rk, pn, mask=mk)
@@ -300,10 +364,12 @@ def ahla_fwd_kernel(
     "HAS_G": lambda a: a["g"] is not None,
     "NORM": lambda a: a["sum_pn"] is not None,
     "HAS_E": lambda a: a["sum_e"] is not None,
+    "HAS_V2": lambda a: a["v2"] is not None,
 })
 @triton.jit
 def ahla_fwd_summary_kernel(
-    q, k, v, g,                  # as in ahla_fwd_kernel
+    q, k, v, g, v2,              # as in ahla_fwd_kernel
+    sum_p2,                      # out (HAS_V2): P2's summary [B*H*NSEG, K, V2]; or None
     sum_p, sum_e, sum_pn, sum_en,  # out: each segment's end state from a zero start, fp32
                                  #      [B*H*NSEG, K, V] x 2, [.., K] x 2 (NORM, else None);
                                  #      sum_e None: first order alone (no E, no R)
@@ -313,7 +379,7 @@ def ahla_fwd_summary_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
     HAS_G: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr, SCALE_ROWS: tl.constexpr,
-    HAS_E: tl.constexpr,
+    HAS_E: tl.constexpr, V2: tl.constexpr, BV2: tl.constexpr, HAS_V2: tl.constexpr,
 ):
     """Each segment's summary: the state (P, E[, p, e]) after it from a zero state, the undecayed
     moment R = sum_i k_i q_i^T and log rho = b_end - b_start (its total log decay). A start state
@@ -339,27 +405,39 @@ def ahla_fwd_summary_kernel(
         pn = 0.0
         en = 0.0
     log_rho = 0.0
+    rv2 = tl.arange(0, BV2)
+    mv2 = rv2 < V2
+    off_v2 = off_g * V2
+    P2 = tl.zeros([BK, BV2], dtype=tl.float32)
     end = tl.minimum(hi * BT, T)                       # first token past the segment
     n_q, n_kt, n_v = _first_loads(q, k, v, off_k, off_v, lo * BT + rt, lo * BT + rt < end, rk, mk, rv, mv, H, K, V,
                                   True, PREFETCH)
+    n_v2 = _first_values2(v2, off_v2, lo * BT + rt, lo * BT + rt < end, rv2, mv2, H, V2, HAS_V2, PREFETCH)
     for i_c in range(lo, hi):
         t = i_c * BT + rt
         mt = t < T
         b_q, b_kt, b_v, n_q, n_kt, n_v = _step_loads(q, k, v, n_q, n_kt, n_v, off_k, off_v, t, mt, t + BT, t + BT < end,
                                                      rk, mk, rv, mv, H, K, V, True, IS_BF16, PREFETCH)
-        G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
+        b_v2, n_v2 = _step_values2(v2, n_v2, off_v2, t, mt, t + BT, t + BT < end, rv2, mv2, H, V2, IS_BF16, HAS_V2,
+                                   PREFETCH)
+        G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY, HOIST=True)
         if HAS_E:
             b_a, b_r, r_n = _chunk_first_order(b_q, b_kt, b_v, P, pn, G, g1, NORM, IS_BF16, PREC)
             R += dot(b_kt, b_q, IS_BF16, PREC)                               # K^T Q  [BK, BK]
         else:   # P alone needs neither R nor the chunk's products with Q
             b_r, r_n = 0.0, 0.0
-        P, E, pn, en = _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM, IS_BF16, PREC, SCALE_ROWS,
-                                    HAS_E)
+        if HAS_V2:   # P2 as E would be, with V2 in R's place
+            P, P2, pn, en = _chunk_carry(b_kt, b_v, b_v2, r_n, P, P2, pn, en, gl, gC, NORM, IS_BF16, PREC, SCALE_ROWS)
+        else:
+            P, E, pn, en = _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM, IS_BF16, PREC, SCALE_ROWS,
+                                        HAS_E)
         log_rho += bL
     i_sg = i_bh.to(tl.int64) * NSEG + i_n
     store_mat(sum_p + i_sg * K * V, P, rk, mk, rv, mv, V)
     if HAS_E:
         store_mat(sum_e + i_sg * K * V, E, rk, mk, rv, mv, V)
+    if HAS_V2:
+        store_mat(sum_p2 + i_sg * K * V2, P2, rk, mk, rv2, mv2, V2)
     if i_v == 0:
         if HAS_E:
             store_mat(sum_r + i_sg * K * K, R, rk, mk, rk, mk, K)
@@ -422,8 +500,8 @@ def ahla_fwd_fold_kernel(
 def _dstate_factors(g, off_g, log_gamma, t, mt, H: tl.constexpr, BT: tl.constexpr,
                     HAS_G: tl.constexpr, HAS_DECAY: tl.constexpr):
     """The backward walk's decay factors of one chunk: G^T, g1, gl, gC, bL."""
-    beta = chunk_beta(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
-    G, g1, g2, gl, gC, bL = chunk_decays(beta, mt, BT, HAS_DECAY)
+    beta = chunk_beta(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY, HOIST=True)
+    G, g1, g2, gl, gC, bL = chunk_decays(beta, mt, BT, HAS_DECAY, HOIST=True)
     GT = chunk_decays_t(beta, BT, HAS_DECAY)
     return GT, g1, gl, gC, bL
 
@@ -630,8 +708,8 @@ def _chunk_key_tiles(q, k, g, off_k, off_g, log_gamma, t, mt, rk, mk,
     b_qt = load_cols(q + off_k, t, mt, rk, mk, H * K, IS_BF16)
     b_k = load_rows(k + off_k, t, mt, rk, mk, H * K, IS_BF16)
     b_kt = load_cols(k + off_k, t, mt, rk, mk, H * K, IS_BF16)
-    beta = chunk_beta(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
-    G, g1, g2, gl, gC, bL = chunk_decays(beta, mt, BT, HAS_DECAY)
+    beta = chunk_beta(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY, HOIST=True)
+    G, g1, g2, gl, gC, bL = chunk_decays(beta, mt, BT, HAS_DECAY, HOIST=True)
     GT = chunk_decays_t(beta, BT, HAS_DECAY)
     b_a = tl.where(G > 0, tl.dot(b_q, b_kt, input_precision=PREC) * G, 0.0)      # A   [BT, BT]
     b_at = tl.where(GT > 0, tl.dot(b_k, b_qt, input_precision=PREC) * GT, 0.0)   # A^T [BT, BT]
@@ -788,7 +866,7 @@ def ahla_bwd_dh_kernel(
         mt = t < T
         b_qt = load_cols(q + off_k, t, mt, rk, mk, H * K, IS_BF16)                # Q^T [BK, BT]
         b_dy = load_rows(dy + off_v, t, mt, rv, mv, H * V, IS_BF16)               # dY  [BT, BV]
-        G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
+        G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY, HOIST=True)
         d_h = d_h * gC + dot(b_qt * g1[None, :], b_dy, IS_BF16, PREC)
     if STORE_DH0:
         store_mat(dh0 + base, d_h, rk, mk, rv, mv, V)

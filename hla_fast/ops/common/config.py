@@ -94,6 +94,11 @@ class ChunkConfig:
         ``bwd_segments`` and ``bwd_pieces`` of 1, no ``bwd_prefetch`` and no ``bwd_layers``. HLA2,
         and HLA3's second stage (at three times the log-gates, ``hla3.chunk``); AHLA (whose
         ``bwd_layers`` is its own) takes only False.
+    fwd_shared_walk: with ``layers``, HLA3's forward runs its two first-order layers on the same
+        queries and keys, R = LA(Q, K, V) and K' = LA(Q, K, K), as one walk over the values
+        [V | K]: each chunk's Q K^T and its reads of Q and K serve both (one program holds both
+        when ``fwd_block_v`` covers V + K columns), and R's layer takes this config's layout
+        (so ``hla3`` takes it as one ChunkConfig, not a pair). Needs ``layers``. HLA3 only.
     """
 
     fwd_chunk: int = 64
@@ -117,6 +122,7 @@ class ChunkConfig:
     fwd_two_walks: bool = False
     fwd_output_block_v: int | None = None
     layers: bool = False
+    fwd_shared_walk: bool = False
 
     def __post_init__(self):
         for name, choices in _CHOICES.items():
@@ -140,7 +146,7 @@ class ChunkConfig:
         if sorted(b for m in parts for b in (1, 2, 4) if m & b) != [1, 2, 4]:
             raise ValueError(f"config.grad_parts must cover dq (1), dk (2) and dv (4) once each, got {parts!r}")
         for name in ("save_states", "bf16_snapshots", "fwd_prefetch", "bwd_prefetch", "bwd_layers", "fwd_output_pass",
-                     "fwd_two_walks", "layers"):
+                     "fwd_two_walks", "layers", "fwd_shared_walk"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"config.{name} must be True or False, got {getattr(self, name)!r}")
         rb = self.fwd_row_blocks
@@ -154,6 +160,9 @@ class ChunkConfig:
         if self.fwd_two_walks and self.fwd_segments != 1:
             raise ValueError(f"config.fwd_two_walks needs config.fwd_segments=1 (the two walks run whole "
                              f"sequences), got {self.fwd_segments}")
+        if self.fwd_shared_walk and not self.layers:
+            raise ValueError("config.fwd_shared_walk needs config.layers (it runs two of hla3's first-order layers in "
+                             "one walk), got layers=False")
         if self.layers:
             clash = {name: getattr(self, name) for name, ok in (
                 ("fwd_output_pass", False), ("bwd_segments", 1), ("bwd_pieces", 1), ("bwd_prefetch", False),
@@ -190,6 +199,13 @@ def refuse_layers(cfg: ChunkConfig, op: str) -> None:
     if cfg.layers:
         raise ValueError(f"config.layers must be False for {op} (only hla2 and hla3's second stage run as first-order "
                          f"layers in both passes; ahla's backward has bwd_layers), got True")
+
+
+def refuse_shared_walk(cfg: ChunkConfig, op: str) -> None:
+    """Refuse ``fwd_shared_walk`` for an operator whose layers do not share their queries and keys."""
+    if cfg.fwd_shared_walk:
+        raise ValueError(f"config.fwd_shared_walk must be False for {op} (its first-order layers read different keys; "
+                         f"only hla3's R and K' share theirs), got True")
 
 
 def refuse_ahla_fields(cfg: ChunkConfig, op: str) -> None:

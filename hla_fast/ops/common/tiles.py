@@ -155,7 +155,8 @@ def store_step_output(o, i_bh, rv, mv, b_num, b_den, eps, V: tl.constexpr, NORM:
 
 @triton.jit
 def chunk_beta(g, g_off, log_gamma, t, mt, H: tl.constexpr, BT: tl.constexpr,
-               HAS_G: tl.constexpr, HAS_DECAY: tl.constexpr, ROW_SUMS: tl.constexpr = False):
+               HAS_G: tl.constexpr, HAS_DECAY: tl.constexpr, ROW_SUMS: tl.constexpr = False,
+               HOIST: tl.constexpr = False):
     """beta [BT] (fp32) of the chunk whose token indices are ``t`` (valid where ``mt``).
 
     HAS_G: the cumulative sum of the log-gates g [B, T, H] of one head (``g_off`` its first
@@ -166,7 +167,14 @@ def chunk_beta(g, g_off, log_gamma, t, mt, H: tl.constexpr, BT: tl.constexpr,
     (``tl.cumsum``). Which compiles better depends on the kernel; the callers say when (HLA2's for
     chunks of up to 32 rows: ``hla2/chunk_kernels.py``, "Gates"). Every row sums its columns in the
     same order and row r + 1 only adds g_{r+1} <= 0 to what row r sums, so beta stays
-    non-increasing after rounding (rounding is monotone), as the factors require."""
+    non-increasing after rounding (rounding is monotone), as the factors require.
+
+    HOIST (a constant decay): beta_r = (r + 1) log(gamma) on every row, padded ones too, instead of
+    repeating the last valid one there. It is then the same in every chunk, so the compiler computes
+    G and g1 once before a walk's loop instead of in every step (an exp per element of G and two
+    reductions a chunk); pass ``chunk_decays`` the same flag. Padded rows hold zeros wherever these
+    factors meet data, and every factor stays finite (the exponents kept are <= 0). Taken by the
+    kernels of ``ahla/chunk_kernels.py``; measured in hla_fast/README.md ("Constant decay")."""
     if HAS_G:
         b_g = tl.load(g + g_off + t * H, mask=mt, other=0.0).to(tl.float32)  # [BT], 0 past T
         if ROW_SUMS:
@@ -174,6 +182,8 @@ def chunk_beta(g, g_off, log_gamma, t, mt, H: tl.constexpr, BT: tl.constexpr,
             beta = tl.sum(tl.where(rt[:, None] >= rt[None, :], b_g[None, :], 0.0), axis=1)
         else:
             beta = tl.cumsum(b_g, axis=0)
+    elif HAS_DECAY and HOIST:
+        beta = (tl.arange(0, BT) + 1).to(tl.float32) * log_gamma
     elif HAS_DECAY:
         # valid rows r -> (r + 1) log(gamma); padded rows repeat the last valid one
         n_valid = tl.sum(mt.to(tl.int32), axis=0)
@@ -185,8 +195,9 @@ def chunk_beta(g, g_off, log_gamma, t, mt, H: tl.constexpr, BT: tl.constexpr,
 
 
 @triton.jit
-def chunk_decays(beta, mt, BT: tl.constexpr, HAS_DECAY: tl.constexpr):
-    """Decay factors of one chunk from its beta [BT] (see the module docstring).
+def chunk_decays(beta, mt, BT: tl.constexpr, HAS_DECAY: tl.constexpr, HOIST: tl.constexpr = False):
+    """Decay factors of one chunk from its beta [BT] (see the module docstring); HOIST as
+    ``chunk_beta``'s (the chunk's total is then the minimum over its valid rows).
 
     Returns G [BT, BT], g1 [BT], g2 = g1^2 [BT], gl [BT] (0 on padded rows), gC (scalar) and
     bL = beta_L (scalar, the log of the chunk's decay, for segment folds)."""
@@ -195,7 +206,10 @@ def chunk_decays(beta, mt, BT: tl.constexpr, HAS_DECAY: tl.constexpr):
     if HAS_DECAY:
         # beta is non-increasing (up to a rounding of the scan's sums, which may rise by one): its
         # last (= padded) value is the minimum, the chunk's total
-        bL = tl.min(beta, axis=0)
+        if HOIST:
+            bL = tl.min(tl.where(mt, beta, 0.0), axis=0)   # beta <= 0: the last valid row's
+        else:
+            bL = tl.min(beta, axis=0)
         # exponents are <= 0 wherever they are kept; tl.where selects (no 0 * inf)
         G = tl.where(causal, tl.exp(tl.where(causal, beta[:, None] - beta[None, :], 0.0)), 0.0)
         g1 = tl.exp(beta)
@@ -212,10 +226,11 @@ def chunk_decays(beta, mt, BT: tl.constexpr, HAS_DECAY: tl.constexpr):
 
 @triton.jit
 def chunk_factors(g, g_off, log_gamma, t, mt, H: tl.constexpr, BT: tl.constexpr,
-                  HAS_G: tl.constexpr, HAS_DECAY: tl.constexpr, ROW_SUMS: tl.constexpr = False):
+                  HAS_G: tl.constexpr, HAS_DECAY: tl.constexpr, ROW_SUMS: tl.constexpr = False,
+                  HOIST: tl.constexpr = False):
     """``chunk_decays(chunk_beta(...))``: G, g1, g2, gl, gC, bL of the chunk with tokens ``t``."""
-    beta = chunk_beta(g, g_off, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY, ROW_SUMS)
-    return chunk_decays(beta, mt, BT, HAS_DECAY)
+    beta = chunk_beta(g, g_off, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY, ROW_SUMS, HOIST)
+    return chunk_decays(beta, mt, BT, HAS_DECAY, HOIST)
 
 
 @triton.jit

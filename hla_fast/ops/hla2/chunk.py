@@ -46,7 +46,7 @@ from torch.autograd.function import once_differentiable
 
 from ..common.compile import compile_ahead, launch_kernel
 from ..ahla.chunk import ahla_config, layer_bwd, layer_fwd
-from ..common.config import DEFAULT_CHUNK, ChunkConfig, chunk_or_default, refuse_ahla_fields
+from ..common.config import DEFAULT_CHUNK, ChunkConfig, chunk_or_default, refuse_ahla_fields, refuse_shared_walk
 from ..common.gates import log_gamma, log_gate_grad
 from ..common.launch import (
     autograd_records, bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments,
@@ -643,12 +643,17 @@ def layers_fwd(q, k, v, g, gamma, s0t, w0, cfg: ChunkConfig, rate, keep, launch)
     keep: also both layers' chunk-start states at ``cfg.fwd_chunk`` for :func:`layers_bwd`.
     Returns (o [B,T,H,V] in v's dtype, S_T, W_T fp32, K' [B,T,H,K] in q's dtype, cs_s, cs_w (each
     [B*H, NT, K, .] or None))."""
-    g_out, gamma_out = outer_decay(g, gamma, rate)
     # -- inner layer: K' = LA(Q, K, K) from S0 ---------------------------------------------------
     kp, sT, cs_s = layer_fwd(q, k, k, g, gamma, s0t, cfg, keep_states=keep, launch=launch)
-    # -- outer layer: O = LA(Q, K', V) at (1 + rate) g from W0 ------------------------------------
-    o, wT, cs_w = layer_fwd(q, kp, v, g_out, gamma_out, w0, cfg, keep_states=keep, launch=launch)
+    o, wT, cs_w = outer_layer_fwd(q, kp, v, g, gamma, w0, cfg, rate, keep, launch)
     return o, transposed(sT), wT, kp, cs_s, cs_w
+
+
+def outer_layer_fwd(q, kp, v, g, gamma, w0, cfg: ChunkConfig, rate, keep, launch):
+    """The outer layer of :func:`layers_fwd`, O = LA(Q, K', V; (1 + rate) g) from W0 (``layer_fwd``'s
+    returns: o, W_T, cs_w or None)."""
+    g_out, gamma_out = outer_decay(g, gamma, rate)
+    return layer_fwd(q, kp, v, g_out, gamma_out, w0, cfg, keep_states=keep, launch=launch)
 
 
 def layers_bwd(q, k, v, kp, do, g, gamma, s0t, w0, cs_s, cs_w, dsT, dwT, cfg: ChunkConfig, rate, want_db, launch):
@@ -758,6 +763,7 @@ def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chu
     B, T, H, K = q.shape
     V = v.shape[-1]
     if config is not None and config.layers:
+        refuse_shared_walk(config, "hla2")
         if K > TILE_MAX:
             raise ValueError(f"config.layers needs a head of at most {TILE_MAX} key features (one feature block), "
                              f"got K={K}")

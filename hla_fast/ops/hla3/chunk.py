@@ -42,7 +42,10 @@ exp(3 b_t - b_i - 2 b_u) = exp(3 (b_t - b_u)) exp(b_u - b_i), so
 third order is three first-order layers, R and K' on (Q, K) and the outer one on (Q, K', R), whose
 states are P, S^T and F (``hla2.chunk.layers_fwd``, ``layers_bwd``; the backward runs the outer
 layer, then K''s, then R's, each adding its dq, dk to the last's). dL/db is then q.dq - k.dk of R's
-and K''s layers plus 3 (q.dq - K'.dK') of the outer one, plus the final states' share.
+and K''s layers plus 3 (q.dq - K'.dK') of the outer one, plus the final states' share. R's and K''s
+layers read the same q and k, so with ``ChunkConfig.fwd_shared_walk`` (the rule's for tiles up to
+SHARED_WALK_MAX wide) the forward walks them at once, P and S^T side by side
+(``ahla.chunk.layer_pair_fwd``): one read of each chunk's q and k and one A = (Q K^T) o G for both.
 
 Normalization: the Function computes the unnormalized operator; ``hla3_chunked`` runs it on the values
 [v | 1] (state [P | p], [F | f]) and divides in torch, so autograd differentiates the quotient: the
@@ -62,10 +65,10 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..ahla.chunk import ahla_config, layer_bwd, layer_fwd
+from ..ahla.chunk import ahla_config, layer_bwd, layer_fwd, layer_pair_fwd
 from ..common.compile import compile_ahead, launch_kernel
 from ..common.config import ChunkConfig, chunk_or_default, refuse_ahla_fields, refuse_split_forward
-from ..common.launch import autograd_records, snapshot_dtype
+from ..common.launch import autograd_records, pow2_block, snapshot_dtype
 from ..common.normalize import quotient, with_column, with_ones
 from ..common.gates import log_gate_grad
 from ..hla2 import chunk as hla2_chunk
@@ -73,6 +76,9 @@ from .state import HLA3State
 
 # widest key tile one program holds (the second stage's S: a K x K fp32 tile beside F: K x BV)
 TILE_MAX = 128
+# widest key and value tiles whose R and K' the rule walks at once (fwd_shared_walk): the walk then
+# holds P [K, V] and S^T [K, K] in fp32 beside the chunk's tiles
+SHARED_WALK_MAX = 64
 
 
 @functools.lru_cache(maxsize=4096)
@@ -92,9 +98,19 @@ def hla3_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     ``hla3_h200_second_stage_layouts_k64.json``); ``normalize``: the call normalizes (the layers
     are not taken). V: the values the kernels see (V + 1 when normalizing). Without layers the
     first stage takes AHLA's rule (:func:`first_stage_config`); a ``config`` passed to ``hla3``
-    sets both, or each with a pair. The result is immutable, so it is cached."""
+    sets both, or each with a pair. The result is immutable, so it is cached.
+
+    As layers, R and K' walk at once (``fwd_shared_walk``) for key and value tiles up to
+    SHARED_WALK_MAX wide: timed against the three layers walked apart, without loading ahead and in
+    eight segments (bf16, B = 4, H = 16, T = 32k, K = V = 64, each in its own process,
+    ``python benchmarks/split_forward.py --op hla3 --dims 64 --layouts '[{}, {"fwd_shared_walk":
+    false}, {"fwd_prefetch": false}, {"fwd_segments": 8}]'``,
+    ``benchmarks/results/hla3_h200_shared_walk.json``; numbers in hla_fast/README.md, third order)."""
     if hla2_chunk.takes_layers(T, K, V, dtype, normalize, training):
-        return hla2_chunk.layers_config(B, T, H, K, V, dtype, device, chunk_size, training)
+        cfg = hla2_chunk.layers_config(B, T, H, K, V, dtype, device, chunk_size, training)
+        if max(pow2_block(K), pow2_block(V)) <= SHARED_WALK_MAX:
+            cfg = cfg.replace(fwd_shared_walk=True)
+        return cfg
     return hla2_chunk.fused_config(B, T, H, K, V, dtype, device, chunk_size, gated=gated, training=training)
 
 
@@ -107,10 +123,13 @@ def stage_configs(config) -> tuple[ChunkConfig, ChunkConfig]:
     backward), unless it runs as layers (which load ahead as AHLA's forward walk does)."""
     if isinstance(config, ChunkConfig):
         if config.layers:
-            return config.replace(layers=False), config
+            return first_of_layers(config), config
         refuse_ahla_fields(config, "hla3")
         return config, config
     cfg1, cfg2 = config
+    if cfg2.fwd_shared_walk:
+        raise ValueError("config[1].fwd_shared_walk runs the first stage's layer in the second stage's walk and layout: "
+                         "pass one ChunkConfig for both stages, not a pair")
     if cfg1.layers:
         raise ValueError("config[0].layers must be False for hla3's first stage (it is one first-order layer "
                          "whatever the config; layers is the second stage's field, config[1]), got True")
@@ -121,6 +140,11 @@ def stage_configs(config) -> tuple[ChunkConfig, ChunkConfig]:
     if not cfg2.layers:
         refuse_ahla_fields(cfg2, "hla3's second stage (config[1])")
     return cfg1, cfg2
+
+
+def first_of_layers(cfg2: ChunkConfig) -> ChunkConfig:
+    """The first stage's layout when the second runs as layers (``cfg2``): the same walk, one layer."""
+    return cfg2.replace(layers=False, fwd_shared_walk=False)
 
 
 def first_stage_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: torch.device,
@@ -148,7 +172,7 @@ def stage_rules(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     layers (three first-order layers in one layout), else AHLA's (:func:`first_stage_config`)."""
     cfg2 = hla3_config(B, T, H, K, V, dtype, device, chunk_size, gated=gated, training=training, normalize=normalize)
     if cfg2.layers:
-        return cfg2.replace(layers=False), cfg2
+        return first_of_layers(cfg2), cfg2
     return first_stage_config(B, T, H, K, V, dtype, device, chunk_size, training=training), cfg2
 
 
@@ -161,7 +185,9 @@ def first_stage_states(q, k, v, g, gamma, p0, cfg: ChunkConfig, launch=launch_ke
 
 class HLA3StagedFunction(torch.autograd.Function):
     """Autograd of the unnormalized HLA3 on the Triton kernels, as its two stages (module docstring),
-    the second on HLA2's fused kernels or, with ``cfg2.layers``, as two first-order layers.
+    the second on HLA2's fused kernels or, with ``cfg2.layers``, as two first-order layers; with
+    ``cfg2.fwd_shared_walk`` too, the forward walks R and K' at once (both read q and k), in cfg2's
+    layout (cfg1 is then cfg2's first layer alone, ``first_of_layers``).
 
     forward(q [B,T,H,K], k, v [B,T,H,V], g [B,T,H] | None, s0 [B,H,K,K] | None, p0 [B,H,K,V] | None,
     f0 [B,H,K,V] | None, gamma, cfg1, cfg2, launch) -> (o [B,T,H,V] in v's dtype, S_T, P_T, F_T fp32),
@@ -173,21 +199,32 @@ class HLA3StagedFunction(torch.autograd.Function):
         # state's cotangents are [B, H, K, K]-sized: zeros would cost memory and a walk from zero)
         ctx.set_materialize_grads(False)
         grads = any(ctx.needs_input_grad[:7])
-        # -- first stage: R = LA(q, k, v) from P0 ------------------------------------------------
-        r, pT, cs_p = layer_fwd(q, k, v, g, gamma, p0, cfg1, keep_states=grads and cfg1.keeps_states, launch=launch)
-        # -- second stage: HLA2 at rate 2 on (q, k, R) from (S0, F0) -----------------------------
-        if cfg2.layers:
-            # K' = LA(q, k, k; g) from S0^T, then o = LA(q, K', R; 3 g) from F0
+        if cfg2.layers:   # the stage's initial state from here on is S0^T: the inner layer reads q^T S0
+            s0 = hla2_chunk.transposed(s0)
+        if cfg2.fwd_shared_walk:
+            # -- R = LA(q, k, v) from P0 and K' = LA(q, k, k; g) from S0^T in one walk, then
+            # o = LA(q, K', R; 3 g) from F0 ---------------------------------------------------------
             keep = grads and cfg2.keeps_states
-            s0 = hla2_chunk.transposed(s0)   # the stage's initial state from here on: the inner layer reads q^T S0
-            o, sT, fT, kp, cs_s, cs_f = hla2_chunk.layers_fwd(q, k, r, g, gamma, s0, f0, cfg2, 2, keep, launch)
+            r, kp, pT, sT, cs_p, cs_s = layer_pair_fwd(q, k, v, k, g, gamma, p0, s0, cfg2, keep_states=keep,
+                                                       launch=launch)
+            o, fT, cs_f = hla2_chunk.outer_layer_fwd(q, kp, r, g, gamma, f0, cfg2, 2, keep, launch)
+            sT = hla2_chunk.transposed(sT)
         else:
-            keep = grads and hla2_chunk.keeps_states(cfg2, q, None, v.shape[-1])
-            o, _, sT, fT, _, cs = hla2_chunk.fwd_launch(
-                q, k, r, g, gamma, s0, f0, None, snapshots=snapshot_dtype(cfg2, q.dtype) if keep else None, rate=2,
-                launch=launch, **hla2_chunk.forward_layout(cfg2))
-            kp = None
-            cs_s, cs_f = (None, None) if cs is None else cs[:2]
+            # -- first stage: R = LA(q, k, v) from P0 --------------------------------------------
+            r, pT, cs_p = layer_fwd(q, k, v, g, gamma, p0, cfg1, keep_states=grads and cfg1.keeps_states,
+                                    launch=launch)
+            # -- second stage: HLA2 at rate 2 on (q, k, R) from (S0, F0) -------------------------
+            if cfg2.layers:
+                # K' = LA(q, k, k; g) from S0^T, then o = LA(q, K', R; 3 g) from F0
+                keep = grads and cfg2.keeps_states
+                o, sT, fT, kp, cs_s, cs_f = hla2_chunk.layers_fwd(q, k, r, g, gamma, s0, f0, cfg2, 2, keep, launch)
+            else:
+                keep = grads and hla2_chunk.keeps_states(cfg2, q, None, v.shape[-1])
+                o, _, sT, fT, _, cs = hla2_chunk.fwd_launch(
+                    q, k, r, g, gamma, s0, f0, None, snapshots=snapshot_dtype(cfg2, q.dtype) if keep else None,
+                    rate=2, launch=launch, **hla2_chunk.forward_layout(cfg2))
+                kp = None
+                cs_s, cs_f = (None, None) if cs is None else cs[:2]
         # the final state is read back only for the log-gates' gradient (its own factor e^{b_T})
         final = (sT, pT, fT) if g is not None and ctx.needs_input_grad[3] else (None, None, None)
         ctx.save_for_backward(q, k, v, g, s0, p0, f0, r, kp, *final, cs_p, cs_s, cs_f)
