@@ -267,15 +267,15 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
     V = v.shape[-1]
     BH, dev, f32 = B * H, q.device, torch.float32
     BK = pow2_block(K, min_key_block(dev))
-    if v2 is not None and (second or normalize):
-        raise ValueError("a second value tensor (v2) is for the first layer alone (second=False), not normalized")
+    if not second and normalize:
+        raise ValueError("the first layer alone (second=False) is not normalized")
+    if v2 is not None and second:
+        raise ValueError("a second value tensor (v2) is for the first layer alone (second=False)")
     V2 = 0 if v2 is None else v2.shape[-1]
     BV = value_block(V, block_v if v2 is None else pow2_block(V), dev)
     BV2 = value_block(V2, pow2_block(V2), dev) if V2 else 16   # (16: an unused placeholder tile)
     NV, NT = cdiv(V, BV), cdiv(T, chunk)
     NS, nseg = split_segments(NT, segments)
-    if not second and normalize:
-        raise ValueError("the first layer alone (second=False) is not normalized")
     flags, lg = _common(q, gamma, g)
     kw = dict(H=H, K=K, V=V, BT=chunk, BK=BK, BV=BV, num_warps=warps, num_stages=stages, **flags)
     walk = dict(kw, PREFETCH=prefetch, SCALE_ROWS=chunk >= SCALE_ROWS_MIN_CHUNK, V2=V2, BV2=BV2)
