@@ -170,8 +170,8 @@ def test_snapshots_are_the_states_at_chunk_starts(device, poison):
     q, k, v, g = _inputs(device, B, T, H, K, V, seed=10)
     gen = torch.Generator().manual_seed(11)
     p0, e0 = (0.2 * torch.randn(B, H, K, V, generator=gen).to(device) for _ in range(2))
-    _, _, PT, ET, _, _, cs = chunk.fwd_launch(q, k, v, g, None, p0, e0, None, None, chunk=16, warps=4, block_v=16,
-                                              outputs=False, snapshots=torch.float32)
+    _, _, PT, ET, _, _, cs, _ = chunk.fwd_launch(q, k, v, g, None, p0, e0, None, None, chunk=16, warps=4, block_v=16,
+                                                 outputs=False, snapshots=torch.float32)
     st = AHLAState(p0.double().cpu(), e0.double().cpu())
     for c, t0 in enumerate(range(0, T, 16)):
         for name, snap, want in (("P", cs[0], st.P), ("E", cs[1], st.E)):
