@@ -148,3 +148,38 @@ def test_no_tracked_file_cites_a_document_outside_the_repository():
         if name in data.lower():
             offenders.append(rel)
     assert not offenders, f"files citing {name.decode()!r}, a document not in the repository: {offenders}"
+
+
+RECORD_PREFIXES = ("ahla", "compile", "cpu", "hla2", "hla3", "kernels", "mqar")
+
+
+def _expand_braces(name: str) -> list[str]:
+    """``a{,_b}c`` -> ``["ac", "a_bc"]`` (nested groups expanded left to right)."""
+    group = re.search(r"\{([^{}]*)\}", name)
+    if not group:
+        return [name]
+    return [x for alt in group.group(1).split(",")
+            for x in _expand_braces(name[:group.start()] + alt + name[group.end():])]
+
+
+def test_every_record_the_documentation_cites_exists():
+    """A measurement the documentation cites (README files, the packages' docstrings, the
+    notebooks) names a file of ``benchmarks/results`` that is there: ``hla2_h200_layers_k64.json``,
+    ``benchmarks/results/ahla_h200.md``, ``{hla2,ahla}_h200_ab_x.json`` and ``x{,_gates}.json``
+    alike (a record renamed or never committed would leave a reader with a dead reference)."""
+    have = {p.name for p in (ROOT / "benchmarks" / "results").iterdir()}
+    sources = [ROOT / "README.md", *sorted((ROOT / "hla_fast").rglob("*.md")), *sorted((ROOT / "hla_fast").rglob("*.py")),
+               *sorted((ROOT / "hla_ref").rglob("*.py")), *sorted((ROOT / "notebooks").glob("*.ipynb"))]
+    token = re.compile(r"[A-Za-z0-9_{},./-]+\.(?:json|md)\b")
+    cited, dead = 0, []
+    for path in sources:
+        for found in token.findall(path.read_text()):
+            for name in _expand_braces(found):
+                name = name.rsplit("/", 1)[-1]
+                if name.split("_", 1)[0] not in RECORD_PREFIXES:
+                    continue
+                cited += 1
+                if name not in have:
+                    dead.append(f"{path.relative_to(ROOT)}: {name}")
+    assert cited > 100, f"the pattern found only {cited} citations: it no longer matches how records are cited"
+    assert not dead, "documentation cites records that benchmarks/results does not have:\n" + "\n".join(sorted(set(dead)))
