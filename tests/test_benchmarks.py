@@ -294,3 +294,32 @@ def test_short_layouts_refuses_wide_heads_and_needs_cuda():
     if not torch.cuda.is_available():
         run = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
         assert run.returncode != 0 and "run it on a GPU machine" in run.stderr
+
+
+def test_bench_hla3_with_layout_passes_the_config_the_rule_asks(monkeypatch):
+    """``bench_hla3.with_layout``: for the two stages' pair each stage takes its changes; where the
+    rule runs the second stage as layers (a long bf16 call) one config sets both, so the same
+    changes for both stages pass and different ones are refused (the one-segment columns of
+    ``hla3_h200_shared_walk_bench.md`` errored on such a call before)."""
+    import hla_fast
+    from hla_fast.ops.hla3.chunk import stage_rules
+
+    bench = load("bench_hla3")
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))   # its ab_revision, as when run as a script
+    seen = []
+    monkeypatch.setattr(hla_fast, "hla3", lambda q, k, v, **kw: (seen.append(kw["config"]) or q, None))
+    one = {"fwd_segments": 1, "bwd_segments": 1}
+    # a short fp32 call: the pair, each stage changed as asked
+    q = torch.zeros(2, 256, 2, 32)
+    bench.with_layout(one, {"fwd_warps": 8})(q, q, q)
+    first, second = stage_rules(2, 256, 2, 32, 32, q.dtype, q.device)
+    assert seen.pop() == (first.replace(**one), second.replace(fwd_warps=8))
+    # a long bf16 call: the layers, one config for both stages
+    q = torch.zeros(2, 4096, 2, 64, dtype=torch.bfloat16)
+    rule = hla_fast.hla3_config(2, 4096, 2, 64, 64, q.dtype, q.device)
+    assert rule.layers
+    bench.with_layout(one, one)(q, q, q)
+    bench.with_layout({}, one)(q, q, q)
+    assert seen == [rule.replace(**one)] * 2
+    with pytest.raises(ValueError, match="the layered second stage sets both stages"):
+        bench.with_layout({"fwd_warps": 8}, one)(q, q, q)
