@@ -1,9 +1,10 @@
 """Chunked AHLA on the Triton kernels: the configuration rule, the launchers, the autograd Function.
 
 Forward: one program per (value block, segment, head) walks its segment's chunks in order
-(``ahla_fwd_kernel``). With more than one segment a first launch computes every segment's summary
-from a zero state (``ahla_fwd_summary_kernel``) and a small kernel folds them into each segment's
-start state (``ahla_fwd_fold_kernel``), so that all segments then run at once.
+(``ahla_fwd_kernel``). With more than one segment a first launch computes the summary of every
+segment but the last from a zero state (``ahla_fwd_summary_kernel``; no start state follows the
+last) and a small kernel folds them into each segment's start state (``ahla_fwd_fold_kernel``), so
+that all segments then run at once.
 
 Backward, coupled (the default but for bf16 training with key tiles of 128): the chunk-start
 states (kept by the forward, or recomputed by a forward walk without outputs), a walk from the
@@ -290,17 +291,19 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
     h0, h02 = (p0, e0, pn0, en0), p20
     if nseg > 1:
         # -- every segment's summary from a zero state, then every segment's start state ----------
-        def kv(width=V):
-            return torch.empty(BH * nseg, K, width, device=dev, dtype=f32)
+        #    (the first nseg - 1 segments' summaries: no start state follows the last segment)
+        def kv(width=V, n=nseg):
+            return torch.empty(BH * n, K, width, device=dev, dtype=f32)
 
-        def kvec():
-            return torch.empty(BH * nseg, K, device=dev, dtype=f32) if normalize else None
+        def kvec(n=nseg):
+            return torch.empty(BH * n, K, device=dev, dtype=f32) if normalize else None
 
-        sums = dict(sum_p=kv(), sum_e=kv() if second else None, sum_pn=kvec(), sum_en=kvec(),
-                    sum_r=torch.empty(BH * nseg, K, K, device=dev, dtype=f32) if second else None,
-                    sum_lr=torch.empty(BH * nseg, device=dev, dtype=f32))
-        sum_p2 = kv(V2) if V2 else None
-        launch(ahla_fwd_summary_kernel, (NV, nseg, BH), q=q, k=k, v=v, g=g, v2=v2, sum_p2=sum_p2, **sums,
+        ns = nseg - 1
+        sums = dict(sum_p=kv(n=ns), sum_e=kv(n=ns) if second else None, sum_pn=kvec(ns), sum_en=kvec(ns),
+                    sum_r=torch.empty(BH * ns, K, K, device=dev, dtype=f32) if second else None,
+                    sum_lr=torch.empty(BH * ns, device=dev, dtype=f32))
+        sum_p2 = kv(V2, ns) if V2 else None
+        launch(ahla_fwd_summary_kernel, (NV, ns, BH), q=q, k=k, v=v, g=g, v2=v2, sum_p2=sum_p2, **sums,
                log_gamma=lg, T=T, NS=NS, **walk)
         seg = (kv(), kv() if second else None, kvec(), kvec())
         fold = dict(NSEG=nseg, K=K, BK=BK, PREC=flags["PREC"], num_warps=warps)
@@ -379,11 +382,13 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
     de = (dht_p, dht_e) if has_dht else (None, None)
     if nseg > 1:
         # -- backward summaries of the segments from a zero end gradient, folded last to first -----
-        sums = dict(sum_dp=torch.empty(BH * nseg, K, V, device=dev, dtype=f32),
-                    sum_de=torch.empty(BH * nseg, K, V, device=dev, dtype=f32),
-                    sum_rt=torch.empty(BH * nseg, K, K, device=dev, dtype=f32),
-                    sum_lr=torch.empty(BH * nseg, device=dev, dtype=f32))
-        launch(ahla_bwd_summary_kernel, (NV, nseg, BH), q=q, k=k, do=do, g=g, **sums, log_gamma=lg, T=T, NS=NS,
+        #    (the last nseg - 1 segments': no end gradient precedes the first segment)
+        ns = nseg - 1
+        sums = dict(sum_dp=torch.empty(BH * ns, K, V, device=dev, dtype=f32),
+                    sum_de=torch.empty(BH * ns, K, V, device=dev, dtype=f32),
+                    sum_rt=torch.empty(BH * ns, K, K, device=dev, dtype=f32),
+                    sum_lr=torch.empty(BH * ns, device=dev, dtype=f32))
+        launch(ahla_bwd_summary_kernel, (NV, ns, BH), q=q, k=k, do=do, g=g, **sums, log_gamma=lg, T=T, NS=NS,
                PREFETCH=cfg.bwd_prefetch, **common)
         de = (torch.empty(BH * nseg, K, V, device=dev, dtype=f32), torch.empty(BH * nseg, K, V, device=dev, dtype=f32))
         launch(ahla_bwd_fold_kernel, (NV, BH),

@@ -57,14 +57,17 @@ Segments. A run of chunks started from a zero state ends with (P_s, E_s); a star
 adds rho P0 to P and rho E0 + rho R_s P0 to E, where rho = exp(b_end - b_start) and
 R_s = sum_{i in the run} k_i q_i^T carries no decay: the path j (before the run) -> i (in it) ->
 the end decays by exp(b_i - b_start) exp(b_end - b_i) = rho whatever i is (``hla_ref.ahla_combine``).
-So ``ahla_fwd_summary_kernel`` computes every segment's (P_s, E_s, R_s, log rho) in parallel,
+So ``ahla_fwd_summary_kernel`` computes the segments' (P_s, E_s, R_s, log rho) in parallel,
 ``ahla_fwd_fold_kernel`` folds them in order into each segment's start state,
 
     E <- rho (E + R_s P) + E_s,   P <- rho P + P_s,
 
-and the segments then walk at once. The backward walk is split the same way with the transposed
-map: an end gradient (dP, dE) reaches the segment's start as rho (dP + R_s^T dE) and rho dE
-(``ahla_bwd_summary_kernel``, ``ahla_bwd_fold_kernel``).
+and the segments then walk at once. No start state follows the last segment, so its summary is not
+computed: with NSEG segments the summaries are those of the first NSEG - 1 (the walk of the last
+segment gives the final state). The backward walk is split the same way with the transposed map: an
+end gradient (dP, dE) reaches the segment's start as rho (dP + R_s^T dE) and rho dE
+(``ahla_bwd_summary_kernel``, ``ahla_bwd_fold_kernel``), and there the first segment's summary is
+the one no fold reads.
 
 Gate gradient. The weight factors per index: exp(b_t - b_j) (q_t.k_i)(q_i.k_j) =
 ((e^{b_t} q_t).(e^{-b_i} k_i)) ((e^{b_i} q_i).(e^{-b_j} k_j)), so the gated operator is the ungated
@@ -381,11 +384,13 @@ def ahla_fwd_summary_kernel(
     HAS_G: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr, SCALE_ROWS: tl.constexpr,
     HAS_E: tl.constexpr, V2: tl.constexpr, BV2: tl.constexpr, HAS_V2: tl.constexpr,
 ):
-    """Each segment's summary: the state (P, E[, p, e]) after it from a zero state, the undecayed
+    """A segment's summary: the state (P, E[, p, e]) after it from a zero state, the undecayed
     moment R = sum_i k_i q_i^T and log rho = b_end - b_start (its total log decay). A start state
-    (P0, E0) reaches the segment's end as rho P0 and rho E0 + rho R P0 (``ahla_fwd_fold_kernel``)."""
+    (P0, E0) reaches the segment's end as rho P0 and rho E0 + rho R P0 (``ahla_fwd_fold_kernel``).
+    The grid's segments are the first NSEG - 1 of the walk's (the fold needs no summary of the
+    last), and the summaries are stored [B*H, NSEG - 1, ..]."""
     i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    NSEG = tl.num_programs(1)
+    NSEG = tl.num_programs(1)                          # summaries per head: the walk's segments - 1
     NT = tl.cdiv(T, BT)
     off_k, off_v, off_g = _head_offsets(i_bh, T, H, K, V)
     rt = tl.arange(0, BT)
@@ -447,6 +452,19 @@ def ahla_fwd_summary_kernel(
             tl.store(sum_en + i_sg * K + rk, en, mask=mk)
 
 
+@triton.jit
+def _store_start(seg_p, seg_e, seg_pn, seg_en, i_sg, P, E, pn, en, i_v, rk, mk, rv, mv,
+                 K: tl.constexpr, V: tl.constexpr, NORM: tl.constexpr, HAS_E: tl.constexpr):
+    """Store segment i_sg's start state: P, E [BK, BV] (E with HAS_E), p, e [BK] (NORM, value block 0)."""
+    store_mat(seg_p + i_sg * K * V, P, rk, mk, rv, mv, V)
+    if HAS_E:
+        store_mat(seg_e + i_sg * K * V, E, rk, mk, rv, mv, V)
+    if NORM:
+        if i_v == 0:
+            tl.store(seg_pn + i_sg * K + rk, pn, mask=mk)
+            tl.store(seg_en + i_sg * K + rk, en, mask=mk)
+
+
 @triton.heuristics({
     "HAS_INIT": lambda a: a["h0_p"] is not None,
     "NORM": lambda a: a["sum_pn"] is not None,
@@ -463,7 +481,8 @@ def ahla_fwd_fold_kernel(
 ):
     """Fold the segment summaries in order (the combine of ``hla_ref.ahla_combine``): with
     rho = exp(log rho),  E <- rho E + rho R_seg P + E_seg,  P <- rho P + P_seg  (p, e alike;
-    E only with HAS_E)."""
+    E only with HAS_E). Stores the start state of each of the NSEG segments; the summaries are the
+    first NSEG - 1 segments' ([B*H, NSEG - 1, ..], ``ahla_fwd_summary_kernel``)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     rk = tl.arange(0, BK)
     rv = i_v * BV + tl.arange(0, BV)
@@ -474,23 +493,23 @@ def ahla_fwd_fold_kernel(
     if NORM:
         pn = vec_or_zeros(h0_pn, i_bh.to(tl.int64) * K, rk, mk, BK, HAS_INIT)
         en = vec_or_zeros(h0_en, i_bh.to(tl.int64) * K, rk, mk, BK, HAS_INIT)
-    for i_s in range(0, NSEG):
-        i_sg = i_bh.to(tl.int64) * NSEG + i_s
-        store_mat(seg_p + i_sg * K * V, P, rk, mk, rv, mv, V)
+    else:
+        pn = 0.0
+        en = 0.0
+    for i_s in range(0, NSEG - 1):
+        _store_start(seg_p, seg_e, seg_pn, seg_en, i_bh.to(tl.int64) * NSEG + i_s, P, E, pn, en, i_v, rk, mk, rv,
+                     mv, K, V, NORM, HAS_E)
+        i_sm = i_bh.to(tl.int64) * (NSEG - 1) + i_s          # segment i_s's summary
+        rho = tl.exp(tl.load(sum_lr + i_sm))
         if HAS_E:
-            store_mat(seg_e + i_sg * K * V, E, rk, mk, rv, mv, V)
+            b_r = load_mat(sum_r + i_sm * K * K, rk, mk, rk, mk, K)
+            E = (E + tl.dot(b_r, P, input_precision=PREC)) * rho + load_mat(sum_e + i_sm * K * V, rk, mk, rv, mv, V)
+        P = P * rho + load_mat(sum_p + i_sm * K * V, rk, mk, rv, mv, V)
         if NORM:
-            if i_v == 0:
-                tl.store(seg_pn + i_sg * K + rk, pn, mask=mk)
-                tl.store(seg_en + i_sg * K + rk, en, mask=mk)
-        rho = tl.exp(tl.load(sum_lr + i_sg))
-        if HAS_E:
-            b_r = load_mat(sum_r + i_sg * K * K, rk, mk, rk, mk, K)
-            E = (E + tl.dot(b_r, P, input_precision=PREC)) * rho + load_mat(sum_e + i_sg * K * V, rk, mk, rv, mv, V)
-        P = P * rho + load_mat(sum_p + i_sg * K * V, rk, mk, rv, mv, V)
-        if NORM:
-            en = (en + tl.sum(b_r * pn[None, :], axis=1)) * rho + load_vec(sum_en + i_sg * K, rk, mk)
-            pn = pn * rho + load_vec(sum_pn + i_sg * K, rk, mk)
+            en = (en + tl.sum(b_r * pn[None, :], axis=1)) * rho + load_vec(sum_en + i_sm * K, rk, mk)
+            pn = pn * rho + load_vec(sum_pn + i_sm * K, rk, mk)
+    _store_start(seg_p, seg_e, seg_pn, seg_en, i_bh.to(tl.int64) * NSEG + NSEG - 1, P, E, pn, en, i_v, rk, mk, rv,
+                 mv, K, V, NORM, HAS_E)
 
 
 # ============================================================================ backward
@@ -596,11 +615,13 @@ def ahla_bwd_summary_kernel(
     HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
     HAS_G: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    """Each segment's backward summary: the walk of ``ahla_bwd_state_kernel`` from a zero end
+    """A segment's backward summary: the walk of ``ahla_bwd_state_kernel`` from a zero end
     gradient, R^T and log rho. (The transpose of the forward's segment map: an end gradient
-    (dP, dE) reaches the segment's start as rho dP + rho R^T dE and rho dE.)"""
-    i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    NSEG = tl.num_programs(1)
+    (dP, dE) reaches the segment's start as rho dP + rho R^T dE and rho dE.) The grid's segments
+    are the walk's second to last (no fold reads the first's summary); program i_n summarizes
+    segment i_n + 1 and stores it at [B*H, NSEG - 1, ..] index i_n."""
+    i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1) + 1, tl.program_id(2)
+    NSUM = tl.num_programs(1)                         # summaries per head: the walk's segments - 1
     NT = tl.cdiv(T, BT)
     off_k, off_v, off_g = _head_offsets(i_bh, T, H, K, V)
     rt = tl.arange(0, BT)
@@ -630,7 +651,7 @@ def ahla_bwd_summary_kernel(
         d_p, d_e = _dstate_step(b_qt, b_k, b_do, d_p, d_e, GT, g1, gl, gC, IS_BF16, PREC)
         b_rt += dot(b_qt, b_k, IS_BF16, PREC)                                # Q^T K  [BK, BK]
         log_rho += bL
-    i_sg = i_bh.to(tl.int64) * NSEG + i_n
+    i_sg = i_bh.to(tl.int64) * NSUM + i_n - 1
     store_mat(sum_dp + i_sg * K * V, d_p, rk, mk, rv, mv, V)
     store_mat(sum_de + i_sg * K * V, d_e, rk, mk, rv, mv, V)
     if i_v == 0:
@@ -651,7 +672,9 @@ def ahla_bwd_fold_kernel(
     PREC: tl.constexpr, HAS_DHT: tl.constexpr,
 ):
     """Fold the backward summaries from the last segment to the first (the transpose of the
-    forward's fold):  dP <- rho dP + rho R^T dE + dP_seg,  dE <- rho dE + dE_seg."""
+    forward's fold):  dP <- rho dP + rho R^T dE + dP_seg,  dE <- rho dE + dE_seg. Stores the end
+    gradient of each of the NSEG segments; the summaries are the last NSEG - 1 segments'
+    ([B*H, NSEG - 1, ..], ``ahla_bwd_summary_kernel``)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     rk = tl.arange(0, BK)
     rv = i_v * BV + tl.arange(0, BV)
@@ -659,14 +682,19 @@ def ahla_bwd_fold_kernel(
     mv = rv < V
     d_p = mat_or_zeros(dht_p, i_bh.to(tl.int64) * K * V, rk, mk, rv, mv, V, BK, BV, HAS_DHT)
     d_e = mat_or_zeros(dht_e, i_bh.to(tl.int64) * K * V, rk, mk, rv, mv, V, BK, BV, HAS_DHT)
-    for i_r in range(0, NSEG):
-        i_sg = i_bh.to(tl.int64) * NSEG + NSEG - 1 - i_r
+    for i_r in range(0, NSEG - 1):
+        i_s = NSEG - 1 - i_r                                  # the segment, from the last
+        i_sg = i_bh.to(tl.int64) * NSEG + i_s
         store_mat(de_p + i_sg * K * V, d_p, rk, mk, rv, mv, V)
         store_mat(de_e + i_sg * K * V, d_e, rk, mk, rv, mv, V)
-        rho = tl.exp(tl.load(sum_lr + i_sg))
-        b_rt = load_mat(sum_rt + i_sg * K * K, rk, mk, rk, mk, K)
-        d_p = (d_p + tl.dot(b_rt, d_e, input_precision=PREC)) * rho + load_mat(sum_dp + i_sg * K * V, rk, mk, rv, mv, V)
-        d_e = d_e * rho + load_mat(sum_de + i_sg * K * V, rk, mk, rv, mv, V)
+        i_sm = i_bh.to(tl.int64) * (NSEG - 1) + i_s - 1      # its summary
+        rho = tl.exp(tl.load(sum_lr + i_sm))
+        b_rt = load_mat(sum_rt + i_sm * K * K, rk, mk, rk, mk, K)
+        d_p = (d_p + tl.dot(b_rt, d_e, input_precision=PREC)) * rho + load_mat(sum_dp + i_sm * K * V, rk, mk, rv, mv, V)
+        d_e = d_e * rho + load_mat(sum_de + i_sm * K * V, rk, mk, rv, mv, V)
+    i_sg = i_bh.to(tl.int64) * NSEG                           # the first segment
+    store_mat(de_p + i_sg * K * V, d_p, rk, mk, rv, mv, V)
+    store_mat(de_e + i_sg * K * V, d_e, rk, mk, rv, mv, V)
 
 
 @triton.jit
