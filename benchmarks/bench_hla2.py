@@ -531,8 +531,9 @@ def targets(res):
                             ("g_over_gamma", "g_overhead", "log-gates g <= 1.15x constant gamma")):
         vals = {f"K{K}_{s}": rows.get((K, Tt), {}).get(f"{key}_{s}") for K in (64, 128) for s in ("fwd", "fwdbwd")}
         got = [v for v in vals.values() if v is not None]
-        t[name] = _target(f"{desc} (T={Tt}, fwd and fwd+bwd)", f"<= {OVERHEAD_MAX}",
-                          None if len(got) < len(vals) else all(v <= OVERHEAD_MAX for v in got), **vals)
+        # one ratio over the bound settles it; all within it only once every ratio is measured
+        met = False if any(v > OVERHEAD_MAX for v in got) else (None if len(got) < len(vals) else True)
+        t[name] = _target(f"{desc} (T={Tt}, fwd and fwd+bwd)", f"<= {OVERHEAD_MAX}", met, **vals)
     mem = {m["K"]: m for m in res.get("memory") or []}
     m = mem.get(128, {})
     hp = (m.get("hla_fast") or {}).get("peak_mb")

@@ -66,6 +66,10 @@ def load(name):
                                           ("bench_hla3", "hla3_h200_stages_k128"),
                                           ("bench_hla3", "hla3_h200_split_second_stage"),
                                           ("bench_hla3", "hla3_h200_shared_walk_bench"),
+                                          ("bench_hla3", "hla3_h200_sweep"),
+                                          ("bench_hla3", "hla3_h200_last_summary"),
+                                          ("bench_hla2", "hla2_h200_targets_32k"),
+                                          ("profile_kernels", "kernels_h200_shared_walk"),
                                           ("bench_hla2", "hla2_h200_split_rule_k64"),
                                           ("bench_hla2", "hla2_h200_split_rule_k128"),
                                           ("bench_ahla", "ahla_h200_chunk128_calls"),
@@ -323,3 +327,16 @@ def test_bench_hla3_with_layout_passes_the_config_the_rule_asks(monkeypatch):
     assert seen == [rule.replace(**one)] * 2
     with pytest.raises(ValueError, match="the layered second stage sets both stages"):
         bench.with_layout({"fwd_warps": 8}, one)(q, q, q)
+
+
+@pytest.mark.parametrize("ratios, verdict", [((1.3, None, None, None), False), ((1.1, 1.1, None, None), None),
+                                             ((1.1, 1.1, 1.1, 1.1), True), ((1.1, 1.1, 1.1, 1.2), False)])
+def test_bench_hla2_overhead_targets_decide_on_a_partial_run(ratios, verdict):
+    """A gate or normalize ratio over the bound fails its target even when the run stopped before
+    measuring the other head size; all within it stays undecided until every ratio is measured."""
+    bench = load("bench_hla2")
+    k64f, k64b, k128f, k128b = ratios
+    rows = [{"K": 64, "T": bench.TARGET_T, "g_over_gamma_fwd": k64f, "g_over_gamma_fwdbwd": k64b},
+            {"K": 128, "T": bench.TARGET_T, "g_over_gamma_fwd": k128f, "g_over_gamma_fwdbwd": k128b}]
+    got = bench.targets({"main": rows})["g_overhead"]
+    assert got["met"] is verdict
