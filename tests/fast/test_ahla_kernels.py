@@ -423,6 +423,45 @@ def test_segments_equal_one_walk(segments, normalize, device, poison):
         assert rel(y, x) < 1e-6
 
 
+@pytest.mark.parametrize("segments", [2, 3, 5])
+@pytest.mark.parametrize("v2", [False, True])
+def test_summaries_only_where_a_fold_reads_them(segments, v2):
+    """No start state follows the last segment and no end gradient precedes the first: the forward
+    summarizes the first segments - 1 segments, the backward the last segments - 1, each into
+    buffers of that many per head, while the folds give every segment its state (recorded launches
+    on meta tensors; the test above checks the values)."""
+    from hla_fast.ops.common.compile import Recorder
+
+    B, T, H, K, V, C = 2, 16 * 9, 3, 16, 32, 16
+    meta = torch.device("meta")
+    q, k, v = (torch.empty(B, T, H, n, device=meta) for n in (K, K, V))
+    rec = Recorder()
+    kw = dict(v2=k, second=False) if v2 else {}
+    chunk.fwd_launch(q, k, v, None, 0.99, None, None, None, None, chunk=C, warps=4, block_v=V, segments=segments,
+                     launch=rec, **kw)
+    if not v2:
+        cfg = _cfg(C, C).replace(bwd_segments=segments)
+        chunk.bwd_launch(q, k, v, torch.empty_like(v), None, 0.99, None, None, None, None, cfg,
+                         states=(torch.empty(B * H, T // C, K, V, device=meta),) * 3, launch=rec)
+    by_name = {}
+    for kern, grid, args in rec.launches:
+        by_name.setdefault(kern.fn.__name__, []).append((grid, args))
+    (grid, args), = by_name["ahla_fwd_summary_kernel"]
+    assert grid[1] == segments - 1
+    assert args["sum_p"].shape[0] == args["sum_lr"].shape[0] == B * H * (segments - 1)
+    for grid, args in by_name["ahla_fwd_fold_kernel"]:            # P's (and P2's) fold
+        assert args["NSEG"] == segments and args["seg_p"].shape[0] == B * H * segments
+        assert args["sum_p"].shape[0] == B * H * (segments - 1)
+    assert len(by_name["ahla_fwd_fold_kernel"]) == (2 if v2 else 1)
+    (grid, args), = by_name["ahla_fwd_kernel"]
+    assert grid[1] == segments
+    if not v2:
+        (grid, args), = by_name["ahla_bwd_summary_kernel"]
+        assert grid[1] == segments - 1 and args["sum_dp"].shape[0] == B * H * (segments - 1)
+        (grid, args), = by_name["ahla_bwd_fold_kernel"]
+        assert args["NSEG"] == segments and args["de_p"].shape[0] == B * H * segments
+
+
 @pytest.mark.parametrize("pieces", [2, 3, 6])
 @pytest.mark.parametrize("init", [False, True])
 @pytest.mark.parametrize("dht", [False, True])
