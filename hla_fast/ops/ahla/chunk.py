@@ -290,8 +290,8 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
         p20 = torch.zeros(B, H, K, V2, device=dev, dtype=f32) if p20 is None else p20
     h0, h02 = (p0, e0, pn0, en0), p20
     if nseg > 1:
-        # -- every segment's summary from a zero state, then every segment's start state ----------
-        #    (the first nseg - 1 segments' summaries: no start state follows the last segment)
+        # -- the summaries from a zero state of every segment but the last (no start state follows
+        #    it), then every segment's start state ---------------------------------------------------
         def kv(width=V, n=nseg):
             return torch.empty(BH * n, K, width, device=dev, dtype=f32)
 
@@ -300,7 +300,7 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
 
         ns = nseg - 1
         sums = dict(sum_p=kv(n=ns), sum_e=kv(n=ns) if second else None, sum_pn=kvec(ns), sum_en=kvec(ns),
-                    sum_r=torch.empty(BH * ns, K, K, device=dev, dtype=f32) if second else None,
+                    sum_r=kv(K, ns) if second else None,
                     sum_lr=torch.empty(BH * ns, device=dev, dtype=f32))
         sum_p2 = kv(V2, ns) if V2 else None
         launch(ahla_fwd_summary_kernel, (NV, ns, BH), q=q, k=k, v=v, g=g, v2=v2, sum_p2=sum_p2, **sums,
@@ -381,8 +381,8 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
     NS, nseg = split_segments(NT, cfg.bwd_segments)
     de = (dht_p, dht_e) if has_dht else (None, None)
     if nseg > 1:
-        # -- backward summaries of the segments from a zero end gradient, folded last to first -----
-        #    (the last nseg - 1 segments': no end gradient precedes the first segment)
+        # -- backward summaries from a zero end gradient of every segment but the first (no end
+        #    gradient precedes it), folded last to first ---------------------------------------------
         ns = nseg - 1
         sums = dict(sum_dp=torch.empty(BH * ns, K, V, device=dev, dtype=f32),
                     sum_de=torch.empty(BH * ns, K, V, device=dev, dtype=f32),
