@@ -345,11 +345,12 @@ def jit(fn):
 
 dev = torch.device("cuda")
 out = []
-for K, V, dtype, normalize in json.loads(sys.argv[1]):
+for K, V, dtype, normalize, ones in json.loads(sys.argv[1]):
     dtype = getattr(torch, dtype)
     cfg = chunk.ahla_config(1, 2049, 2, K, V, dtype, dev, training=True)
     assert cfg.grad_parts == (7,)
-    fn = jit(chunk_kernels.ahla_bwd_layer_kernel if cfg.bwd_layers else chunk_kernels.ahla_bwd_grad_kernel)
+    layer = cfg.bwd_layers or ones   # ones: a normalized layer's kernel (the column of ones as vectors)
+    fn = jit(chunk_kernels.ahla_bwd_layer_kernel if layer else chunk_kernels.ahla_bwd_grad_kernel)
     Vn = V + normalize
     BK, BV = chunk.bwd_blocks(K, Vn, dev)
     el = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
@@ -358,17 +359,17 @@ for K, V, dtype, normalize in json.loads(sys.argv[1]):
     dst = "*bf16" if chunk._dstate_dtype(snap_dtype, BK) == torch.bfloat16 else "*fp32"
     types = dict(q=el, k=el, v=el, do=el, dq=el, dk=el, dv=el, g="*fp32", db="*fp32", cs_p=snap, cs_e=snap,
                  dp_end=dst, de_end=dst, log_gamma="fp32", T="i32", C0="i32", NP="i32",
-                 x=el, dy=el, h0=snap, dh_end=dst, dx=el, dq_in=el, dk_in=el)
+                 x=el, dy=el, h0=snap, dh_end=dst, dx=el, dq_in=el, dk_in=el, dd="*fp32", z0="*fp32", dz_end="*fp32")
     consts = dict(H=2, K=K, V=Vn, BT=cfg.bwd_chunk, BK=BK, BV=BV, HAS_DECAY=True, IS_BF16=launch.bf16_dots(dtype),
                   PREC=chunk.grad_precision(dtype), HAS_G=True, HAS_DB=True)
-    if cfg.bwd_layers:
-        consts.update(HAS_DQ_IN=True, HAS_DK_IN=True, DB_OWN=False, DX_TO_DK=False)
+    if layer:
+        consts.update(HAS_DQ_IN=True, HAS_DK_IN=True, DB_OWN=False, DX_TO_DK=False, NORM=ones)
     else:
         consts.update(KEYS_PER_BLOCK=chunk.grad_keys_per_block(launch.cdiv(Vn, BV), BK, dtype), PARTS=cfg.grad_parts[0])
     sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
     kernel = triton_compile(src, target=GPUTarget("cuda", 90, 32), options=dict(
-        num_warps=cfg.bwd_warps, num_stages=chunk.LAYER_STAGES if cfg.bwd_layers else 1))
+        num_warps=cfg.bwd_warps, num_stages=chunk.LAYER_STAGES if layer else 1))
     out.append(kernel.metadata.shared)
 print(json.dumps(out))
 """
@@ -383,10 +384,12 @@ def test_grad_kernel_fits_hopper_shared_memory():
     K = 256, where bf16 chunk-end state gradients are staged in shared memory (324 KB, so it keeps
     fp32 ones, ``chunk._dstate_dtype``); and bf16 at K = 128, whose training takes the layered
     backward: its per-chunk kernel (``ahla_bwd_layer_kernel``), with loads pipelined, plain and
-    normalized (three value blocks)."""
-    cases = [(128, 128, "float32", False), (256, 64, "float32", True), (256, 64, "bfloat16", True),
-             (64, 64, "float16", False), (64, 64, "bfloat16", True), (128, 128, "bfloat16", False),
-             (128, 128, "bfloat16", True), (256, 256, "bfloat16", False)]
+    normalized (three value blocks); and that kernel for HLA2's normalized outer layer (the column
+    of ones carried as vectors, NORM) at K = V = 64 and 128."""
+    cases = [(128, 128, "float32", False, False), (256, 64, "float32", True, False), (256, 64, "bfloat16", True, False),
+             (64, 64, "float16", False, False), (64, 64, "bfloat16", True, False), (128, 128, "bfloat16", False, False),
+             (128, 128, "bfloat16", True, False), (256, 256, "bfloat16", False, False),
+             (64, 64, "bfloat16", False, True), (128, 128, "bfloat16", False, True)]
     env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _GRAD_SHARED, json.dumps(cases)], capture_output=True, text=True,
                          env=env, timeout=600)
@@ -421,6 +424,58 @@ def test_segments_equal_one_walk(segments, normalize, device, poison):
                            _cfg().replace(fwd_segments=segments, bwd_segments=segments), want_db=True)
     for x, y in zip(one, seg):
         assert rel(y, x) < 1e-6
+
+
+def _normalized_layer64(q, k, v, g, p0, pn0, eps):
+    """A normalized first-order gated layer from its index sums, float64 (autograd records it):
+    num_t = e^{b_t} q_t^T P0 + sum_{j <= t} e^{b_t - b_j} (q_t . k_j) v_j, den_t the same with p0
+    and a column of ones, o = num / (den + eps); P_T, p_T the states after the last token."""
+    b = torch.cumsum(g, 1)                                                  # [B, T, H]
+    T = q.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    w = torch.where(causal[None, :, :, None], torch.exp(b[:, :, None, :] - b[:, None, :, :]), 0.0)  # [B, t, j, H]
+    a = torch.einsum("bthk,bjhk->btjh", q, k) * w
+    num = torch.einsum("btjh,bjhv->bthv", a, v) + torch.einsum("bthk,bhkv->bthv", q * b.exp()[..., None], p0)
+    den = a.sum(2) + torch.einsum("bthk,bhk->bth", q * b.exp()[..., None], pn0)
+    dec = torch.exp(b[:, -1:, :] - b)[..., None]                            # e^{b_T - b_j} [B, T, H, 1]
+    PT = b[:, -1].exp()[..., None, None] * p0 + torch.einsum("bjhk,bjhv->bhkv", k * dec, v)
+    pT = b[:, -1].exp()[..., None] * pn0 + (k * dec).sum(1)
+    return num / (den + eps)[..., None], den, PT, pT
+
+
+@pytest.mark.parametrize("segments,block_v", [(1, 32), (3, 16)])
+def test_normalized_layer_is_the_index_sum(segments, block_v, device, poison):
+    """One normalized first-order layer (HLA2's outer layer when normalizing): the forward walk
+    divides by the layer on a column of ones, carried as the vector p beside P (in segments, over
+    value blocks), and the backward takes the numerator's and the denominator's gradients through
+    the same walks. Output, denominator, final state, snapshots' use and every gradient (q, k, v,
+    the gates, P0, p0) against the float64 index sums, from an initial state and with cotangents
+    on the final state."""
+    from hla_fast.ops.common.gates import log_gate_grad
+    from hla_fast.ops.common.normalize import normalized_output_grad
+
+    B, T, H, K, V, eps = 2, 45, 2, 12, 20, 1e-6
+    q, k, v, g = _inputs(device, B, T, H, K, V, seed=31, positive=True)
+    gen = torch.Generator().manual_seed(32)
+    p0, pn0 = 0.2 * torch.randn(B, H, K, V, generator=gen), 0.2 * torch.rand(B, H, K, generator=gen)
+    do, dPT, dpT = (torch.randn(shape, generator=gen) for shape in ((B, T, H, V), (B, H, K, V), (B, H, K)))
+    cfg = _cfg(block_v=block_v).replace(fwd_segments=segments)
+    dev = [x.to(device) for x in (p0, pn0, do, dPT, dpT)]
+    o, den, PT, pT, cs_p, cs_pn = chunk.normalized_layer_fwd(q, k, v, g, None, dev[0], dev[1], eps, cfg,
+                                                              keep_states=True)
+    do_num, dd = normalized_output_grad(dev[2], o, den, eps)
+    dv, dq, dk, dP0, dp0, db = chunk.normalized_layer_bwd(q, k, v, do_num, dd, g, None, cs_p, cs_pn, dev[3], dev[4],
+                                                          True, cfg, want_db=True)
+    dg = log_gate_grad(db, ((PT, dev[3], 1.0), (pT, dev[4], 1.0)), g.dtype)
+    leaves = [x.detach().double().cpu().requires_grad_() for x in (q, k, v, g, p0, pn0)]
+    want = _normalized_layer64(*leaves, eps)
+    for name, a, b in zip(["o", "den", "P_T", "p_T"], (o, den, PT, pT), want):
+        assert rel(a, b) < TOL, name
+    loss = sum((x * c.double()).sum() for x, c in zip((want[0], want[2], want[3]), (do, dPT, dpT)))
+    grads = torch.autograd.grad(loss, leaves)
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "dP0", "dp0"], (dq, dk, dv, dg, dP0, dp0), grads):
+        # dg: a reverse cumulative sum of differences of fp32 products, a few times fp32's rounding
+        assert rel(a, b) < (1e-4 if name == "dg" else TOL), name
 
 
 @pytest.mark.parametrize("segments", [2, 3, 5])

@@ -111,6 +111,21 @@ def test_rehearsal_records_the_launches_of_the_call(op, case, device):
     assert backward == case.get("grad", True)
 
 
+@pytest.mark.parametrize("normalize", [False, True])
+def test_rehearsal_records_the_launches_of_hla2_as_layers(normalize, device):
+    """HLA2 as first-order layers (``ChunkConfig.layers``), gated from a state, normalized (z beside W
+    in the outer layer's walks) or not: the rehearsal records the launches the call makes."""
+    args = list(make_args("hla2", device, gates=True, normalize=normalize, state=True))
+    args[10] = hla_fast.ChunkConfig(fwd_chunk=16, bwd_chunk=16, grad_parts=(7,), layers=True, fwd_segments=2)
+    rec = ahead.Recorder()
+    ahead.rehearse(chunk_module("hla2").hla2_chunked, tuple(args), rec)
+    real = run_recorded("hla2", tuple(args))
+    names = [name for name, _, _ in signature(real)]
+    assert signature(rec.launches) == signature(real)
+    assert "ahla_bwd_layer_kernel" in names and "hla2_fwd_kernel" not in names
+    assert ("normalized_grad_kernel" in names) == normalize
+
+
 def test_rehearsal_of_a_call_that_does_not_require_grad_has_no_backward(device):
     args = make_args("ahla", device, grad=False)
     rec = ahead.Recorder()

@@ -20,6 +20,7 @@ launch = importlib.import_module("hla_fast.ops.common.launch")
 
 TOL = 1e-5
 SMALL = ChunkConfig(fwd_chunk=16, bwd_chunk=16, fwd_block_v=16)
+LAYERS = {"layers": True, "grad_parts": (7,)}   # SMALL.replace(**LAYERS): the first-order layers
 
 
 def cross_definition(q, k, q2, k2, v, g=None):
@@ -248,14 +249,16 @@ def _normalized_grads(q, k, v, g, S0, W0, z0, weights, backend, cfg=None):
 
 @pytest.mark.parametrize("V,changes", [
     (24, {}), (24, {"save_states": False}), (24, {"bwd_segments": 2}), (24, {"bwd_segments": 3, "fwd_segments": 2}),
-    (24, {"bwd_pieces": 3}), (24, {"grad_parts": (1, 2, 4)}), (24, {"grad_parts": (7,)}), (70, {})],
+    (24, {"bwd_pieces": 3}), (24, {"grad_parts": (1, 2, 4)}), (24, {"grad_parts": (7,)}), (70, {}),
+    (24, LAYERS), (24, dict(LAYERS, save_states=False)), (24, dict(LAYERS, fwd_segments=3)), (70, LAYERS)],
     ids=lambda x: str(x) if isinstance(x, int) else "-".join(f"{k}={v}" for k, v in x.items()) or "rule")
 def test_normalized_backward_carries_the_ones_column(V, changes, device, poison):
     """A normalized call's backward differentiates the operator on [v | 1], the ones column carried
     as dz beside dW in the kernels (not as a value block): in every backward layout (kept or
-    recomputed chunk states, segments, pieces, gradient launches, values wider than one block),
-    with gates, an initial state (S, W, z) and cotangents on the whole final state, every gradient
-    matches the float64 torch path."""
+    recomputed chunk states, segments, pieces, gradient launches, values wider than one block, the
+    first-order layers, whose outer layer carries z beside W), with gates, an initial state
+    (S, W, z) and cotangents on the whole final state, every gradient matches the float64 torch
+    path."""
     q, k, v, g, S0, W0, z0 = _inputs(device, V=V)
     gen = torch.Generator().manual_seed(9)
     weights = [torch.randn(x.shape, generator=gen, dtype=torch.float64) for x in (v, S0, W0, z0)]
@@ -293,7 +296,8 @@ def test_normalized_backward_runs_the_unnormalized_launches(monkeypatch, device)
     the gradient launches of the config), where a value block for it would double the
     backward's, plus two small parallel passes: the one that splits the output gradient
     (normalized_grad_kernel) and the one that forms the ones column's vectors per chunk
-    (hla2_bwd_ones_kernel)."""
+    (hla2_bwd_ones_kernel). As first-order layers, only the first of those (the outer layer's
+    walks carry the column's vectors themselves)."""
     q, k, v, g, S0, W0, z0 = _inputs(device)
     names = []
     real = chunk.launch_kernel
@@ -304,14 +308,18 @@ def test_normalized_backward_runs_the_unnormalized_launches(monkeypatch, device)
 
     monkeypatch.setattr(chunk, "launch_kernel", spy)
     runs = {}
-    for normalize in (False, True):
-        names.clear()
-        leaves = [x.clone().requires_grad_() for x in (q, k, v, g)]
-        o, _ = hla_fast.hla2(*leaves[:3], g=leaves[3], normalize=normalize, backend="triton", config=SMALL)
-        (o * v).sum().backward()
-        runs[normalize] = sorted(names)
-    assert runs[True] == sorted(runs[False] + ["hla2_bwd_ones_kernel", "normalized_grad_kernel"])
-    assert runs[True].count("hla2_fwd_kernel") == 1 and runs[True].count("hla2_bwd_state_kernel") == 1
+    for cfg in (SMALL, SMALL.replace(**LAYERS)):
+        for normalize in (False, True):
+            names.clear()
+            leaves = [x.clone().requires_grad_() for x in (q, k, v, g)]
+            o, _ = hla_fast.hla2(*leaves[:3], g=leaves[3], normalize=normalize, backend="triton", config=cfg)
+            (o * v).sum().backward()
+            runs[cfg.layers, normalize] = sorted(names)
+    assert runs[False, True] == sorted(runs[False, False] + ["hla2_bwd_ones_kernel", "normalized_grad_kernel"])
+    assert runs[False, True].count("hla2_fwd_kernel") == 1 and runs[False, True].count("hla2_bwd_state_kernel") == 1
+    # the layers: the denominator comes from the outer layer's walks, the output gradient's split alone is added
+    assert runs[True, True] == sorted(runs[True, False] + ["normalized_grad_kernel"])
+    assert runs[True, True].count("ahla_fwd_kernel") == 2 and runs[True, True].count("ahla_bwd_dh_kernel") == 2
 
 
 @pytest.mark.parametrize("K,V,normalize", [(140, 8, True), (150, 12, False), (20, 140, False), (20, 140, True)])
@@ -546,8 +554,8 @@ def test_split_layouts_fit_hopper_shared_memory():
 def test_layers_rule(monkeypatch):
     """hla2_config takes the first-order layers (``layers_config``: AHLA's rule for the same
     kernels, the backward walking whole sequences) for long bf16 calls of 64- or 128-wide heads,
-    not normalized, and for training 128-wide heads at any length; the fused kernels' rule
-    otherwise (``takes_layers``' measurements)."""
+    normalized or not (the same layout), and for training 128-wide heads at any length; the fused
+    kernels' rule otherwise (``takes_layers``' measurements)."""
     monkeypatch.setattr(launch, "sm_count", lambda device: 132)
     monkeypatch.setattr(launch, "interpreter_on", lambda: False)   # the rule as a GPU sees it
     for rule in (hla_fast.hla2_config, chunk.layers_config, chunk.fused_config, hla_fast.ahla_config):
@@ -560,11 +568,13 @@ def test_layers_rule(monkeypatch):
                 ahla = hla_fast.ahla_config(4, 32768, 16, K, K, bf16, cuda, training=training)
                 assert c == ahla.replace(bwd_segments=1, bwd_pieces=1, bwd_prefetch=False, bwd_layers=False,
                                          grad_parts=(7,), layers=True)
+                assert hla_fast.hla2_config(4, 32768, 16, K, K, bf16, cuda, gated=gated, training=training,
+                                            normalize=True) == c
     c = hla_fast.hla2_config(4, 32768, 16, 128, 128, bf16, cuda)
     assert (c.fwd_chunk, c.fwd_warps, c.fwd_stages) == (128, 8, 2)   # AHLA's inference walk of 128-wide keys
     c = hla_fast.hla2_config(4, 32768, 16, 128, 128, bf16, cuda, training=True)
     assert (c.fwd_chunk, c.bwd_chunk, c.save_states) == (64, 64, True)
-    for args, kw in [((4, 32768, 16, 128, 128, bf16), dict(normalize=True)),
+    for args, kw in [((4, 32768, 16, 128, 128, torch.float32), dict(normalize=True)),
                      ((4, 32768, 16, 128, 128, torch.float32), {}), ((4, 32768, 16, 128, 128, torch.float16), {}),
                      ((4, 32768, 16, 64, 128, bf16), {}), ((4, 32768, 16, 32, 32, bf16), {}),
                      ((4, 2048, 16, 64, 64, bf16), dict(training=True)), ((4, 2048, 16, 128, 128, bf16), {})]:

@@ -256,20 +256,22 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
     prefetch: the walks load each next chunk's tiles ahead (``ChunkConfig.fwd_prefetch``).
     stages: the compiler pipelines the walks' loads this deep (``ChunkConfig.fwd_stages``).
     keep_r: with snapshots, also keep the first order's output R [B, T, H, V] (v's dtype) for the
-    layered backward. second=False: the first layer alone (:func:`layer_fwd`): o is R, and E, its
-    snapshots and the summaries' R moment are neither computed nor returned (None); not normalized.
+    layered backward. second=False: the first layer alone (:func:`layer_fwd`): o is R, and E, e, their
+    snapshots and the summaries' R moment are neither computed nor returned (None); normalized, R is
+    divided by its own denominator (den) and the snapshots (with ``snapshots``) include p's
+    (:func:`normalized_layer_fwd`).
     v2 (with second=False): a second value tensor [B, T, H, V2] walked beside v with the same q, k
     (``ahla_fwd_kernel``'s HAS_V2: R2 = LA(q, k, v2) from p20, fp32 [B, H, K, V2] or None); its
     programs hold all of V's columns, whatever ``block_v``.
     Returns (o [B, T, H, V] or None, den [B, T, H] fp32 or None, P_T, E_T, p_T or None,
-    e_T or None, (cs_p, cs_e, R or None) or None, (R2, P2_T or None, cs_p2 or None) or None;
-    cs_p, cs_e [B*H, NT, K, V])."""
+    e_T or None, (cs_p, cs_e, R or None, cs_pn or None) or None, (R2, P2_T or None, cs_p2 or None) or None;
+    cs_p, cs_e [B*H, NT, K, V], cs_pn fp32 [B*H, NT, K] (a normalized first layer's))."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     BH, dev, f32 = B * H, q.device, torch.float32
     BK = pow2_block(K, min_key_block(dev))
-    if not second and normalize:
-        raise ValueError("the first layer alone (second=False) is not normalized")
+    if v2 is not None and normalize:
+        raise ValueError("a second value tensor (v2) is not normalized")
     if v2 is not None and second:
         raise ValueError("a second value tensor (v2) is for the first layer alone (second=False)")
     V2 = 0 if v2 is None else v2.shape[-1]
@@ -282,7 +284,7 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
     walk = dict(kw, PREFETCH=prefetch, SCALE_ROWS=chunk >= SCALE_ROWS_MIN_CHUNK, V2=V2, BV2=BV2)
     if normalize and p0 is not None:
         pn0 = torch.zeros(B, H, K, device=dev, dtype=f32) if pn0 is None else pn0
-        en0 = torch.zeros(B, H, K, device=dev, dtype=f32) if en0 is None else en0
+        en0 = (torch.zeros(B, H, K, device=dev, dtype=f32) if en0 is None else en0) if second else None
     elif not normalize:
         pn0 = en0 = None
     if v2 is not None and (p0 is None) != (p20 is None):   # both states or neither (HAS_INIT is both's)
@@ -295,17 +297,17 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
         def kv(width=V, n=nseg):
             return torch.empty(BH * n, K, width, device=dev, dtype=f32)
 
-        def kvec(n=nseg):
-            return torch.empty(BH * n, K, device=dev, dtype=f32) if normalize else None
+        def kvec(n=nseg, carried=True):
+            return torch.empty(BH * n, K, device=dev, dtype=f32) if (normalize and carried) else None
 
         ns = nseg - 1
-        sums = dict(sum_p=kv(n=ns), sum_e=kv(n=ns) if second else None, sum_pn=kvec(ns), sum_en=kvec(ns),
+        sums = dict(sum_p=kv(n=ns), sum_e=kv(n=ns) if second else None, sum_pn=kvec(ns), sum_en=kvec(ns, second),
                     sum_r=kv(K, ns) if second else None,
                     sum_lr=torch.empty(BH * ns, device=dev, dtype=f32))
         sum_p2 = kv(V2, ns) if V2 else None
         launch(ahla_fwd_summary_kernel, (NV, ns, BH), q=q, k=k, v=v, g=g, v2=v2, sum_p2=sum_p2, **sums,
                log_gamma=lg, T=T, NS=NS, **walk)
-        seg = (kv(), kv() if second else None, kvec(), kvec())
+        seg = (kv(), kv() if second else None, kvec(), kvec(carried=second))
         fold = dict(NSEG=nseg, K=K, BK=BK, PREC=flags["PREC"], num_warps=warps)
         launch(ahla_fwd_fold_kernel, (NV, BH),
             **sums, h0_p=p0, h0_e=e0, h0_pn=pn0, h0_en=en0, seg_p=seg[0], seg_e=seg[1], seg_pn=seg[2],
@@ -317,18 +319,19 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
                    sum_lr=sums["sum_lr"], h0_p=p20, h0_e=None, h0_pn=None, h0_en=None, seg_p=h02, seg_e=None,
                    seg_pn=None, seg_en=None, V=V2, BV=BV2, **fold)
     o = torch.empty_like(v) if (outputs and second) else None
-    den = torch.empty(B, T, H, device=dev, dtype=f32) if (outputs and normalize) else None
+    den = torch.empty(B, T, H, device=dev, dtype=f32) if ((outputs or not second) and normalize) else None
     ht = (None,) * 4
     if store_final:
         ht = (torch.empty(B, H, K, V, device=dev, dtype=f32),
               torch.empty(B, H, K, V, device=dev, dtype=f32) if second else None,
               torch.empty(B, H, K, device=dev, dtype=f32) if normalize else None,
-              torch.empty(B, H, K, device=dev, dtype=f32) if normalize else None)
+              torch.empty(B, H, K, device=dev, dtype=f32) if (normalize and second) else None)
     cs = None
     if snapshots is not None:
         cs = (torch.empty(BH, NT, K, V, device=dev, dtype=snapshots),
               torch.empty(BH, NT, K, V, device=dev, dtype=snapshots) if second else None,
-              torch.empty_like(v) if (keep_r and second) else None)
+              torch.empty_like(v) if (keep_r and second) else None,
+              torch.empty(BH, NT, K, device=dev, dtype=f32) if (normalize and not second) else None)
     r = None if cs is None else cs[2]
     if not second:   # the first layer's output R is what this call returns
         r = torch.empty_like(v)
@@ -339,7 +342,8 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
     launch(ahla_fwd_kernel, (NV, nseg, BH),
         q=q, k=k, v=v, g=g, o=o, den=den, h0_p=h0[0], h0_e=h0[1], h0_pn=h0[2], h0_en=h0[3],
         ht_p=ht[0], ht_e=ht[1], ht_pn=ht[2], ht_en=ht[3],
-        cs_p=None if cs is None else cs[0], cs_e=None if cs is None else cs[1], r=r,
+        cs_p=None if cs is None else cs[0], cs_e=None if cs is None else cs[1], cs_pn=None if cs is None else cs[3],
+        r=r,
         v2=v2, r2=out2[0], h0_p2=h02, ht_p2=out2[1], cs_p2=out2[2],
         log_gamma=lg, eps=eps, T=T, NS=NS, **walk)
     return o if second else r, den, ht[0], ht[1], ht[2], ht[3], cs, (out2 if v2 is not None else None)
@@ -430,7 +434,7 @@ def _bwd_layers(q, k, v, do, g, gamma, p0, dht_p, dht_e, cfg: ChunkConfig, state
     with state P (:func:`layer_bwd` each). The outer's gives dR, the inner's output gradient; its
     dq, dk wait in dq, dk (in their dtype) for the inner's to be added, and db comes with the sums.
     states: (cs_p, cs_e, R) at chunk ``cfg.bwd_chunk``. Returns as ``bwd_launch``."""
-    cs_p, cs_e, r = states
+    cs_p, cs_e, r = states[:3]
     dr, dq, dk, dE0, _ = layer_bwd(q, k, r, do, g, gamma, cs_e, dht_e, p0 is not None, cfg, launch=launch)
     dv, dq, dk, dP0, db = layer_bwd(q, k, v, dr, g, gamma, cs_p, dht_p, p0 is not None, cfg, dq_in=dq, dk_in=dk,
                                     want_db=want_db, db_own=False, launch=launch)
@@ -451,6 +455,27 @@ def layer_bwd(q, k, x, dy, g, gamma, h0, dht, want_dh0, cfg: ChunkConfig, *, dq_
     (without the final state's share) of this layer alone (db_own) or of the sums with dq_in, dk_in.
     x_is_k: x is k itself (HLA2's inner layer K' = LA(Q, K, K)): the returned dk includes dx.
     Returns dx, dq, dk (inputs' dtypes), dH0 (fp32, or None), db (or None)."""
+    dx, dq, dk, dh0, _, db = _layer_bwd(q, k, x, dy, g, gamma, h0, dht, want_dh0, cfg, None, dq_in=dq_in, dk_in=dk_in,
+                                        want_db=want_db, db_own=db_own, x_is_k=x_is_k, launch=launch)
+    return dx, dq, dk, dh0, db
+
+
+def normalized_layer_bwd(q, k, x, dy, dd, g, gamma, h0, z0, dht, dzt, want_dh0, cfg: ChunkConfig, *,
+                         want_db=False, launch=launch_kernel):
+    """The backward of a normalized first-order layer (:func:`normalized_layer_fwd`) from the
+    gradients of its numerator, dy [B, T, H, V], and of its denominator, dd [B, T, H] fp32
+    (``common.normalize.normalized_output_grad``): :func:`layer_bwd` on the value [x | 1] with
+    state [H | p], the column of ones carried as vectors (``ahla_bwd_dh_kernel``'s and
+    ``ahla_bwd_layer_kernel``'s NORM). z0: p's chunk-start snapshots fp32 [B*H, NT, K]; dzt: p_T's
+    gradient fp32 [B, H, K] or None. Returns dx, dq, dk, dH0, dp0 (fp32 [B, H, K], or None), db."""
+    return _layer_bwd(q, k, x, dy, g, gamma, h0, dht, want_dh0, cfg, (dd, z0, dzt), want_db=want_db, db_own=True,
+                      launch=launch)
+
+
+def _layer_bwd(q, k, x, dy, g, gamma, h0, dht, want_dh0, cfg: ChunkConfig, norm, *, dq_in=None, dk_in=None,
+               want_db=False, db_own=True, x_is_k=False, launch=launch_kernel):
+    """:func:`layer_bwd`, normalized when ``norm`` is (dd, z0, dzt) (:func:`normalized_layer_bwd`):
+    returns (dx, dq, dk, dH0, dp0 (None unless normalized with want_dh0), db)."""
     B, T, H, K = q.shape
     V = x.shape[-1]
     BH, dev, f32 = B * H, q.device, torch.float32
@@ -467,12 +492,19 @@ def layer_bwd(q, k, x, dy, g, gamma, h0, dht, want_dh0, cfg: ChunkConfig, *, dq_
     dq = torch.empty_like(q) if dq_in is None else dq_in
     dk = torch.empty_like(k) if dk_in is None else dk_in
     db = torch.empty(B, T, H, device=dev, dtype=f32) if want_db else None
+    dd, z0, dzt = (None,) * 3 if norm is None else norm
+    dz_end = dz0 = None
+    if dd is not None:   # the column of ones' state gradients: every chunk's end, and the start's
+        dz_end = torch.empty(BH, NT, K, device=dev, dtype=f32)
+        dz0 = torch.empty(B, H, K, device=dev, dtype=f32) if want_dh0 else None
+        dzt = None if dzt is None else dzt.float().contiguous()
     launch(ahla_bwd_dh_kernel, (cdiv(V, BV), cdiv(K, BKW), BH), q=q, dy=dy, g=g, dh_end=dh_end, dht=dht, dh0=dh0,
-           log_gamma=lg, T=T, BK=BKW, num_warps=DH_WARPS, num_stages=DH_STAGES, **kw)
-    launch(ahla_bwd_layer_kernel, (NT, BH), q=q, k=k, x=x, dy=dy, g=g, h0=h0, dh_end=dh_end, dx=dx, dq=dq, dk=dk,
-           dq_in=dq_in, dk_in=dk_in, db=db, log_gamma=lg, T=T, DB_OWN=db_own, DX_TO_DK=x_is_k, BK=BK, num_warps=nw,
-           num_stages=LAYER_STAGES, **kw)
-    return dx, dq, dk, dh0, db
+           dd=dd, dz_end=dz_end, dzt=dzt, dz0=dz0, log_gamma=lg, T=T, BK=BKW, num_warps=DH_WARPS,
+           num_stages=DH_STAGES, **kw)
+    launch(ahla_bwd_layer_kernel, (NT, BH), q=q, k=k, x=x, dy=dy, g=g, h0=h0, dh_end=dh_end, dd=dd, z0=z0,
+           dz_end=dz_end, dx=dx, dq=dq, dk=dk, dq_in=dq_in, dk_in=dk_in, db=db, log_gamma=lg, T=T, DB_OWN=db_own,
+           DX_TO_DK=x_is_k, BK=BK, num_warps=nw, num_stages=LAYER_STAGES, **kw)
+    return dx, dq, dk, dh0, dz0, db
 
 
 def layer_fwd(q, k, v, g, gamma, p0, cfg: ChunkConfig, *, keep_states=False, launch=launch_kernel):
@@ -488,6 +520,20 @@ def layer_fwd(q, k, v, g, gamma, p0, cfg: ChunkConfig, *, keep_states=False, lau
         segments=cfg.fwd_segments, prefetch=cfg.fwd_prefetch, stages=cfg.fwd_stages,
         snapshots=snapshot_dtype(cfg, q.dtype) if keep_states else None, second=False, launch=launch)
     return r, PT, None if cs is None else cs[0]
+
+
+def normalized_layer_fwd(q, k, v, g, gamma, p0, pn0, eps, cfg: ChunkConfig, *, keep_states=False,
+                         launch=launch_kernel):
+    """A normalized first-order layer, O = LA(Q, K, V) / (LA(Q, K, 1) + eps), in one walk: the
+    denominator is the layer on a column of ones, whose state is the vector p (``ahla_fwd_kernel``
+    without HAS_E and with NORM). As :func:`layer_fwd` with pn0 (fp32 [B, H, K] or None: p's
+    initial state) and eps; returns (O (v's dtype), den [B, T, H] fp32 (without eps), P_T, p_T fp32,
+    cs_p, cs_pn ([B*H, NT, K] fp32) or None)."""
+    o, den, PT, _, pT, _, cs, _ = fwd_launch(
+        q, k, v, g, gamma, p0, None, pn0, None, chunk=cfg.fwd_chunk, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v,
+        segments=cfg.fwd_segments, prefetch=cfg.fwd_prefetch, stages=cfg.fwd_stages, normalize=True, eps=eps,
+        snapshots=snapshot_dtype(cfg, q.dtype) if keep_states else None, second=False, launch=launch)
+    return (o, den, PT, pT) + ((None, None) if cs is None else (cs[0], cs[3]))
 
 
 def layer_pair_fwd(q, k, v, v2, g, gamma, p0, p20, cfg: ChunkConfig, *, keep_states=False, launch=launch_kernel):
@@ -522,7 +568,7 @@ def ahla_fwd(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg: ChunkConf
         q, k, v, g, gamma, p0, e0, pn0, en0, chunk=cfg.fwd_chunk, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v,
         segments=cfg.fwd_segments, prefetch=cfg.fwd_prefetch, stages=cfg.fwd_stages, normalize=normalize, eps=eps,
         snapshots=snapshot_dtype(cfg, q.dtype) if save else None, keep_r=cfg.bwd_layers, launch=launch)
-    cs = (None, None, None) if cs is None else cs
+    cs = (None, None, None) if cs is None else cs[:3]
     return (o, den, PT, ET, pT, eT) + cs
 
 

@@ -210,7 +210,7 @@ def _chunk_first_order(b_q, b_kt, b_v, P, pn, G, g1, NORM: tl.constexpr, IS_BF16
 def _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM: tl.constexpr, IS_BF16: tl.constexpr,
                  PREC: tl.constexpr, SCALE_ROWS: tl.constexpr, HAS_E: tl.constexpr = True):
     """The state at the chunk's end: P <- gC P0 + Kg^T V, E <- gC E0 + Kg^T R (p, e: the same on
-    the column of ones, when NORM; E only with HAS_E). Kg^T V = K^T (diag(gl) V): SCALE_ROWS scales
+    the column of ones, when NORM; E and e only with HAS_E). Kg^T V = K^T (diag(gl) V): SCALE_ROWS scales
     the rows of V and R ([BT, BV] tiles) so that K^T enters both products as loaded, else K^T's
     columns (one [BK, BT] tile for both). Which is faster depends on the chunk
     (``SCALE_ROWS_MIN_CHUNK`` in chunk.py). p and e take Kg^T's rows summed either way (vector
@@ -225,7 +225,8 @@ def _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM: tl.constexpr, 
         if HAS_E:
             E = E * gC + dot(b_kgt, b_r, IS_BF16, PREC)
     if NORM:
-        en = en * gC + tl.sum(b_kgt.to(tl.float32) * r_n[None, :], axis=1)
+        if HAS_E:
+            en = en * gC + tl.sum(b_kgt.to(tl.float32) * r_n[None, :], axis=1)
         pn = pn * gC + tl.sum(b_kgt.to(tl.float32), axis=1)
     return P, E, pn, en
 
@@ -235,6 +236,7 @@ def _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM: tl.constexpr, 
     "HAS_INIT": lambda a: a["h0_p"] is not None,
     "HAS_O": lambda a: a["o"] is not None,
     "SAVE_STATES": lambda a: a["cs_p"] is not None,
+    "SAVE_PN": lambda a: a["cs_pn"] is not None,
     "STORE_R": lambda a: a["r"] is not None,
     "STORE_FINAL": lambda a: a["ht_p"] is not None,
     "NORM": lambda a: a["ht_pn"] is not None or a["den"] is not None,
@@ -252,7 +254,9 @@ def ahla_fwd_kernel(
                              #   (h0_e None: zero, or not carried)
     ht_p, ht_e, ht_pn, ht_en,  # out: final state [B*H, K, V] x 2, [B*H, K] x 2; or None
     cs_p, cs_e,              # out: chunk-start snapshots [B*H, NT, K, V] x 2; or None
-    r,                       # out: the first order's output R [B, T, H, V] (v's dtype); or None
+    cs_pn,                   # out: chunk-start snapshots of p, fp32 [B*H, NT, K] (a normalized first layer); or None
+    r,                       # out: the first order's output R [B, T, H, V] (v's dtype), normalized when NORM
+                             #   without HAS_E (its denominator then in den); or None
     log_gamma, eps, T, NS,   # log(gamma) (without g), normalizer eps, sequence length, chunks per segment
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -260,6 +264,7 @@ def ahla_fwd_kernel(
     HAS_G: tl.constexpr, HAS_INIT: tl.constexpr, HAS_O: tl.constexpr, SAVE_STATES: tl.constexpr,
     STORE_R: tl.constexpr, STORE_FINAL: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr,
     SCALE_ROWS: tl.constexpr, HAS_E: tl.constexpr, V2: tl.constexpr, BV2: tl.constexpr, HAS_V2: tl.constexpr,
+    SAVE_PN: tl.constexpr,
 ):
     """One program per (value block, segment, batch*head) walks its segment's chunks in order,
     keeping its columns of P and E (and all of p, e when NORM) in fp32 registers: outputs (HAS_O,
@@ -267,7 +272,9 @@ def ahla_fwd_kernel(
     layered backward (STORE_R) and the final state (STORE_FINAL, last segment).
 
     Without HAS_E (no output, E's snapshot or final state asked for) the walk is first-order
-    attention alone, R = LA(q, k, v) with state P: third order's first stage (``hla3``). HAS_V2
+    attention alone, R = LA(q, k, v) with state P: third order's first stage (``hla3``), HLA2's
+    layers. With NORM it is normalized: R / (r_n + eps) is stored in r, r_n in den, p carried
+    beside P (its chunk-start snapshots in cs_pn with SAVE_PN). HAS_V2
     (without HAS_E or NORM, V in one block): also R2 = LA(q, k, v2) with state P2 (module docstring,
     "A second value tensor")."""
     # -- which piece of work this program owns ---------------------------------------------
@@ -289,7 +296,7 @@ def ahla_fwd_kernel(
     E = mat_or_zeros(h0_e, i_sg * K * V, rk, mk, rv, mv, V, BK, BV, HAS_INIT and HAS_E)  # [BK, BV]
     if NORM:
         pn = vec_or_zeros(h0_pn, i_sg * K, rk, mk, BK, HAS_INIT)                 # [BK]
-        en = vec_or_zeros(h0_en, i_sg * K, rk, mk, BK, HAS_INIT)                 # [BK]
+        en = vec_or_zeros(h0_en, i_sg * K, rk, mk, BK, HAS_INIT and HAS_E)       # [BK]
     else:
         pn = 0.0
         en = 0.0
@@ -322,10 +329,19 @@ def ahla_fwd_kernel(
                 store_mat(cs_e + i_cs * K * V, E, rk, mk, rv, mv, V)
             if HAS_V2:
                 store_mat(cs_p2 + i_cs * K * V2, P2, rk, mk, rv2, mv2, V2)
+            if SAVE_PN:
+                if i_v == 0:
+                    tl.store(cs_pn + i_cs * K + rk, pn, mask=mk)
         # -- first order: R = diag(g1) Q P0 + A V ------------------------------------------
         b_a, b_r, r_n = _chunk_first_order(b_q, b_kt, b_v, P, pn, G, g1, NORM, IS_BF16, PREC)
         if STORE_R:
-            tl.store(r + off_v + t[:, None] * (H * V) + rv[None, :], b_r.to(r.dtype.element_ty),
+            if NORM and not HAS_E:   # a normalized first-order layer: R / (r_n + eps), r_n its denominator
+                if i_v == 0:
+                    tl.store(den + off_g + t * H, r_n, mask=mt)
+                b_ro = b_r / (r_n + eps)[:, None]
+            else:
+                b_ro = b_r
+            tl.store(r + off_v + t[:, None] * (H * V) + rv[None, :], b_ro.to(r.dtype.element_ty),
                      mask=mt[:, None] & mv[None, :])
         # -- the second values: R2 = diag(g1) Q P2_0 + A V2 ------------------------------------
         if HAS_V2:
@@ -360,7 +376,8 @@ def ahla_fwd_kernel(
             if NORM:
                 if i_v == 0:
                     tl.store(ht_pn + i_bh * K + rk, pn, mask=mk)
-                    tl.store(ht_en + i_bh * K + rk, en, mask=mk)
+                    if HAS_E:
+                        tl.store(ht_en + i_bh * K + rk, en, mask=mk)
 
 
 @triton.heuristics({
@@ -375,7 +392,7 @@ def ahla_fwd_summary_kernel(
     sum_p2,                      # out (HAS_V2): P2's summary [B*H*NSEG, K, V2]; or None
     sum_p, sum_e, sum_pn, sum_en,  # out: each segment's end state from a zero start, fp32
                                  #      [B*H*NSEG, K, V] x 2, [.., K] x 2 (NORM, else None);
-                                 #      sum_e None: first order alone (no E, no R)
+                                 #      sum_e, sum_en None: first order alone (no E, e, R)
     sum_r, sum_lr,               # out: R = sum_i k_i q_i^T over the segment [B*H*NSEG, K, K]; log rho [B*H*NSEG]
     log_gamma, T, NS,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -449,20 +466,23 @@ def ahla_fwd_summary_kernel(
         tl.store(sum_lr + i_sg, log_rho)
         if NORM:
             tl.store(sum_pn + i_sg * K + rk, pn, mask=mk)
-            tl.store(sum_en + i_sg * K + rk, en, mask=mk)
+            if HAS_E:
+                tl.store(sum_en + i_sg * K + rk, en, mask=mk)
 
 
 @triton.jit
 def _store_start(seg_p, seg_e, seg_pn, seg_en, i_sg, P, E, pn, en, i_v, rk, mk, rv, mv,
                  K: tl.constexpr, V: tl.constexpr, NORM: tl.constexpr, HAS_E: tl.constexpr):
-    """Store segment i_sg's start state: P, E [BK, BV] (E with HAS_E), p, e [BK] (NORM, value block 0)."""
+    """Store segment i_sg's start state: P, E [BK, BV] (E with HAS_E), p, e [BK] (NORM, value block 0;
+    e with HAS_E)."""
     store_mat(seg_p + i_sg * K * V, P, rk, mk, rv, mv, V)
     if HAS_E:
         store_mat(seg_e + i_sg * K * V, E, rk, mk, rv, mv, V)
     if NORM:
         if i_v == 0:
             tl.store(seg_pn + i_sg * K + rk, pn, mask=mk)
-            tl.store(seg_en + i_sg * K + rk, en, mask=mk)
+            if HAS_E:
+                tl.store(seg_en + i_sg * K + rk, en, mask=mk)
 
 
 @triton.heuristics({
@@ -481,7 +501,7 @@ def ahla_fwd_fold_kernel(
 ):
     """Fold the segment summaries in order (the combine of ``hla_ref.ahla_combine``): with
     rho = exp(log rho),  E <- rho E + rho R_seg P + E_seg,  P <- rho P + P_seg  (p, e alike;
-    E only with HAS_E). Stores the start state of each of the NSEG segments; the summaries are the
+    E and e only with HAS_E). Stores the start state of each of the NSEG segments; the summaries are the
     first NSEG - 1 segments' ([B*H, NSEG - 1, ..], ``ahla_fwd_summary_kernel``)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     rk = tl.arange(0, BK)
@@ -492,7 +512,7 @@ def ahla_fwd_fold_kernel(
     E = mat_or_zeros(h0_e, i_bh.to(tl.int64) * K * V, rk, mk, rv, mv, V, BK, BV, HAS_INIT and HAS_E)
     if NORM:
         pn = vec_or_zeros(h0_pn, i_bh.to(tl.int64) * K, rk, mk, BK, HAS_INIT)
-        en = vec_or_zeros(h0_en, i_bh.to(tl.int64) * K, rk, mk, BK, HAS_INIT)
+        en = vec_or_zeros(h0_en, i_bh.to(tl.int64) * K, rk, mk, BK, HAS_INIT and HAS_E)
     else:
         pn = 0.0
         en = 0.0
@@ -506,7 +526,8 @@ def ahla_fwd_fold_kernel(
             E = (E + tl.dot(b_r, P, input_precision=PREC)) * rho + load_mat(sum_e + i_sm * K * V, rk, mk, rv, mv, V)
         P = P * rho + load_mat(sum_p + i_sm * K * V, rk, mk, rv, mv, V)
         if NORM:
-            en = (en + tl.sum(b_r * pn[None, :], axis=1)) * rho + load_vec(sum_en + i_sm * K, rk, mk)
+            if HAS_E:
+                en = (en + tl.sum(b_r * pn[None, :], axis=1)) * rho + load_vec(sum_en + i_sm * K, rk, mk)
             pn = pn * rho + load_vec(sum_pn + i_sm * K, rk, mk)
     _store_start(seg_p, seg_e, seg_pn, seg_en, i_bh.to(tl.int64) * NSEG + NSEG - 1, P, E, pn, en, i_v, rk, mk, rv,
                  mv, K, V, NORM, HAS_E)
@@ -860,6 +881,8 @@ def ahla_bwd_grad_kernel(
     "HAS_G": lambda a: a["g"] is not None,
     "HAS_DHT": lambda a: a["dht"] is not None,
     "STORE_DH0": lambda a: a["dh0"] is not None,
+    "NORM": lambda a: a["dd"] is not None,
+    "HAS_DZT": lambda a: a["dzt"] is not None,
 })
 @triton.jit
 def ahla_bwd_dh_kernel(
@@ -867,16 +890,23 @@ def ahla_bwd_dh_kernel(
     dh_end,                  # out: the gradient of each chunk's END state [B*H, NT, K, V] (the snapshots' dtype)
     dht,                     # gradient of the final state, fp32 [B*H, K, V]; or None (zero)
     dh0,                     # out: gradient of the initial state, fp32 [B*H, K, V]; or None
+    dd, dz_end, dzt, dz0,    # a normalized layer (NORM): the denominator's gradient fp32 [B, T, H]; out: its
+                             #   state's chunk-end gradients fp32 [B*H, NT, K]; the final one [B*H, K] or None;
+                             #   out: the initial one [B*H, K] (with STORE_DH0). All None unless normalized
     log_gamma, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
-    HAS_G: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, NORM: tl.constexpr, HAS_DZT: tl.constexpr,
 ):
     """One program per (value block, key block, batch*head) walks the chunks from last to first
     carrying its [BK, BV] block of one layer's state gradient: the layer reads its state as
     Y = diag(g1) Q H0 + .., so  dH0 = gC dH + Q^T diag(g1) dY. Each chunk's end gradient is stored
-    for the per-chunk kernel (``ahla_bwd_layer_kernel``)."""
+    for the per-chunk kernel (``ahla_bwd_layer_kernel``).
+
+    NORM: the layer is normalized, its denominator d = diag(g1) Q p0 + A 1 the same layer on a
+    column of ones with state p; given dd = dL/dd, p's gradient walks as dp0 = gC dp + Q^T diag(g1) dd
+    (a [BK] vector, carried by every value block's program and stored by the first's)."""
     i_v, i_kb, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NT = tl.cdiv(T, BT)
     off_k, off_v, off_g = _head_offsets(i_bh, T, H, K, V)
@@ -887,6 +917,8 @@ def ahla_bwd_dh_kernel(
     mv = rv < V
     base = i_bh.to(tl.int64) * K * V
     d_h = mat_or_zeros(dht, base, rk, mk, rv, mv, V, BK, BV, HAS_DHT)              # dH [BK, BV]
+    if NORM:
+        d_z = vec_or_zeros(dzt, i_bh.to(tl.int64) * K, rk, mk, BK, HAS_DZT)       # dp [BK]
     for i_r in range(0, NT):
         i_c = NT - 1 - i_r
         store_mat(dh_end + (i_bh.to(tl.int64) * NT + i_c) * K * V, d_h, rk, mk, rv, mv, V)
@@ -896,8 +928,16 @@ def ahla_bwd_dh_kernel(
         b_dy = load_rows(dy + off_v, t, mt, rv, mv, H * V, IS_BF16)               # dY  [BT, BV]
         G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY, HOIST=True)
         d_h = d_h * gC + dot(b_qt * g1[None, :], b_dy, IS_BF16, PREC)
+        if NORM:
+            if i_v == 0:
+                tl.store(dz_end + (i_bh.to(tl.int64) * NT + i_c) * K + rk, d_z, mask=mk)
+            b_dd = tl.load(dd + off_g + t * H, mask=mt, other=0.0)                  # dd  [BT]
+            d_z = d_z * gC + tl.sum(b_qt.to(tl.float32) * (g1 * b_dd)[None, :], axis=1)
     if STORE_DH0:
         store_mat(dh0 + base, d_h, rk, mk, rv, mv, V)
+        if NORM:
+            if i_v == 0:
+                tl.store(dz0 + i_bh.to(tl.int64) * K + rk, d_z, mask=mk)
 
 
 @triton.jit
@@ -913,11 +953,14 @@ def _store_layer_db(db, off_g, t, mt, b_q, b_dq, b_k, b_dk, H: tl.constexpr):
     "HAS_DQ_IN": lambda a: a["dq_in"] is not None,
     "HAS_DK_IN": lambda a: a["dk_in"] is not None,
     "HAS_DB": lambda a: a["db"] is not None,
+    "NORM": lambda a: a["dd"] is not None,
 })
 @triton.jit
 def ahla_bwd_layer_kernel(
     q, k, x, dy, g,          # q, k: [B, T, H, K]; the layer's value x and output gradient dy [B, T, H, V]; g or None
     h0, dh_end,              # the layer's chunk-start snapshots and chunk-end state gradients [B*H, NT, K, V]
+    dd, z0, dz_end,          # a normalized layer (NORM): the denominator's gradient fp32 [B, T, H], its state's
+                             #   chunk-start snapshots and chunk-end gradients fp32 [B*H, NT, K]; else None
     dx, dq, dk,              # out: dx [B, T, H, V] (x's dtype); dq, dk [B, T, H, K]
     dq_in, dk_in,            # the other layer's dq, dk to add (may be dq, dk themselves); each or None
     db,                      # out: dL/db_t = q_t.dq_t - k_t.dk_t (without the final state's share) fp32 [B, T, H]; or None
@@ -926,6 +969,7 @@ def ahla_bwd_layer_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
     HAS_G: tl.constexpr, HAS_DQ_IN: tl.constexpr, HAS_DK_IN: tl.constexpr, HAS_DB: tl.constexpr,
+    NORM: tl.constexpr,
     DB_OWN: tl.constexpr,    # db of this layer's dq, dk alone (hla3's stages have other factors), else
                              #   of the sums with dq_in, dk_in (AHLA's two layers share theirs)
     DX_TO_DK: tl.constexpr,  # the value is the key itself (HLA2's K' = LA(Q, K, K), V = K): dk gains dx
@@ -937,7 +981,10 @@ def ahla_bwd_layer_kernel(
         dQ = diag(g1) dY H0^T + dM K,   dK = dM^T Q + diag(gl) X dH^T.
 
     dM, dY H0^T and X dH^T are sums over the value columns: the loop over value blocks sums
-    them, and the two products with the key tiles follow once. dM^T comes from its own dot of
+    them, and the two products with the key tiles follow once. NORM (a normalized layer, whose
+    denominator is the layer on a column of ones with state p): that column's terms are added to the
+    sums, dd 1^T to dM, dd p0^T to dY H0^T and 1 dp^T to X dH^T (no product: each is an outer
+    product with a vector); the column itself has no gradient. dM^T comes from its own dot of
     loaded tiles (X dY^T o G^T), as A^T (K Q^T o G^T). With HAS_DQ_IN, HAS_DK_IN the other layer's dq_in,
     dk_in (stored in dq's dtype) are added before storing; the gate gradient db needs the sum,
     so it comes with the second layer (DB_OWN: db of this layer's share alone). With DX_TO_DK
@@ -980,6 +1027,14 @@ def ahla_bwd_layer_kernel(
         b_dmt += dot(b_x, b_dyt, IS_BF16, PREC)
         b_dqh += dot(b_dy, b_h0t, IS_BF16, PREC)
         b_dkh += dot(b_x, d_ht, IS_BF16, PREC)
+    if NORM:   # -- the column of ones: its output gradient dd, state p0 and end gradient dp ------------
+        off_z = (i_bh.to(tl.int64) * NT + i_c) * K
+        b_dd = tl.load(dd + off_g + t * H, mask=mt, other=0.0)                      # dd  [BT]
+        b_one = tl.where(mt, 1.0, 0.0)                                              # the column [BT]
+        b_dm += b_dd[:, None] * b_one[None, :]
+        b_dmt += b_one[:, None] * b_dd[None, :]
+        b_dqh += b_dd[:, None] * load_vec(z0 + off_z, rk, mk)[None, :]
+        b_dkh += b_one[:, None] * load_vec(dz_end + off_z, rk, mk)[None, :]
     # -- dQ = diag(g1) dY H0^T + dM K,  dK = dM^T Q + diag(gl) X dH^T ----------------------------
     b_dm = tl.where(G > 0, b_dm * G, 0.0)
     b_dmt = tl.where(GT > 0, b_dmt * GT, 0.0)

@@ -45,7 +45,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..common.compile import compile_ahead, launch_kernel
-from ..ahla.chunk import ahla_config, layer_bwd, layer_fwd
+from ..ahla.chunk import ahla_config, layer_bwd, layer_fwd, normalized_layer_bwd, normalized_layer_fwd
 from ..common.config import DEFAULT_CHUNK, ChunkConfig, chunk_or_default, refuse_ahla_fields, refuse_shared_walk
 from ..common.gates import log_gamma, log_gate_grad
 from ..common.launch import (
@@ -98,16 +98,20 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
                 training: bool = False) -> ChunkConfig:
     """The default layout for one call (the arguments as :func:`fused_config`'s): the first-order
     layers (:func:`layers_config`) where :func:`takes_layers` says they were measured faster, else
-    the fused kernels' rule (:func:`fused_config`). The result is immutable, so it is cached."""
-    if takes_layers(T, K, V, dtype, normalize, training):
-        return layers_config(B, T, H, K, V + int(normalize), dtype, device, chunk_size, training)
+    the fused kernels' rule (:func:`fused_config`). Normalized or not alike: the layers carry the
+    denominator's state z beside W in the outer layer's walks (:class:`HLA2LayersFunction`), as the
+    fused kernels do. The result is immutable, so it is cached."""
+    if takes_layers(T, K, V, dtype, False, training):
+        return layers_config(B, T, H, K, V, dtype, device, chunk_size, training)
     return fused_config(B, T, H, K, V, dtype, device, chunk_size, gated, normalize, training)
 
 
 def takes_layers(T: int, K: int, V: int, dtype: torch.dtype, normalize: bool, training: bool) -> bool:
-    """Whether the rule runs a call as first-order layers (``ChunkConfig.layers``): bf16, not
-    normalized, key and value tiles of one width, 64 or 128 (the heads measured), over more than
-    SHORT_CHUNKS chunks of 64, or training 128-wide heads at any length. Timed in one process
+    """Whether the rule runs a call as first-order layers (``ChunkConfig.layers``): bf16, key and
+    value tiles of one width, 64 or 128 (the heads measured), over more than SHORT_CHUNKS chunks of
+    64, or training 128-wide heads at any length; not ``normalize``: a stage whose values carry a
+    column of ones (HLA3's normalized second stage, V + 1 values; HLA2's own normalized calls carry
+    z beside W instead and ask without it, :func:`hla2_config`). Timed in one process
     against the fused kernels' rule (bf16, B = 4, H = 16, forward / forward + backward, ms;
     ``python benchmarks/ab_revision.py --rev dc71992 --dims 128,64 [--gates | --normalize]``,
     ``--T 2048``; ``benchmarks/results/hla2_h200_ab_layers{,_gates,_normalize,_2k}.json``):
@@ -116,8 +120,8 @@ def takes_layers(T: int, K: int, V: int, dtype: torch.dtype, normalize: bool, tr
       23.9 -> 13.7; K = V = 64: 1.14 -> 1.02 and 5.22 -> 4.07; gated 1.35 -> 1.25 and 6.49 -> 5.01;
       the training peak beyond the inputs 5.93 -> 5.37 GB at 128, 1.36 -> 1.88 GB at 64;
     * normalized (the layers on [v | 1], one more value column): slower, 5.14 -> 8.66 and
-      24.8 -> 28.6 at K = V = 128, 1.50 -> 3.59 and 7.13 -> 17.1 at 64, so the rule keeps the fused
-      kernels, which carry the ones column as z beside W;
+      24.8 -> 28.6 at K = V = 128, 1.50 -> 3.59 and 7.13 -> 17.1 at 64, so a stage on such values
+      keeps the fused kernels, which carry the ones column as z beside W;
     * T = 2048: K = V = 64 0.16 -> 0.94 and 0.72 -> 1.70 (the fused rule's short layout: one
       segment, three launches), K = V = 128 0.38 -> 0.47 and 1.75 -> 1.37."""
     BK, BV = pow2_block(K), pow2_block(V)
@@ -133,7 +137,7 @@ def layers_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, de
     same first-order kernels (``ahla.chunk.ahla_config``, which measured them: chunks of 128 in
     8 warps for a bf16 inference forward of 128-wide keys, chunks of 64 for training, whose
     forward keeps its chunk states), with the backward walking whole sequences by the per-layer
-    kernels. V: the values the outer layer sees (V + 1 when normalizing). Cached (immutable)."""
+    kernels. V: the values the outer layer sees. Cached (immutable)."""
     return ahla_config(B, T, H, K, V, dtype, device, chunk_size, training=training).replace(
         bwd_segments=1, bwd_pieces=1, bwd_prefetch=False, bwd_layers=False, grad_parts=(7,), layers=True)
 
@@ -656,29 +660,46 @@ def outer_layer_fwd(q, kp, v, g, gamma, w0, cfg: ChunkConfig, rate, keep, launch
     return layer_fwd(q, kp, v, g_out, gamma_out, w0, cfg, keep_states=keep, launch=launch)
 
 
-def layers_bwd(q, k, v, kp, do, g, gamma, s0t, w0, cs_s, cs_w, dsT, dwT, cfg: ChunkConfig, rate, want_db, launch):
+def layers_bwd(q, k, v, kp, do, g, gamma, s0t, w0, cs_s, cs_w, dsT, dwT, cfg: ChunkConfig, rate, want_db, launch,
+               norm=None):
     """The backward of :func:`layers_fwd`: its inputs, K' and its kept states (or None: both
     layers' are recomputed at ``cfg.bwd_chunk``), the cotangents do [B,T,H,V] and dsT, dwT (fp32 or
     None). The outer layer's first-order backward gives dv, dq, dK'; the inner's, from dK' as its
     output gradient, adds its dq to the outer's and the gradient through its value slot to dk
     (``ahla.chunk.layer_bwd``). Returns (dq, dk, dv, dS0, dW0 (None without an initial state),
-    db [B, T, H] fp32, None unless ``want_db``): dL/db per token without the final states' share,
+    db [B, T, H] fp32, None unless ``want_db``, dz0): dL/db per token without the final states' share,
     (1 + c) times the outer layer's q.dq - K'.dK' plus the inner's q.dq - k.dk (each layer is the
-    ungated one on e^{cb} q, e^{-cb} k). HLA3 runs this at rate 2 for its second stage."""
+    ungated one on e^{cb} q, e^{-cb} k). HLA3 runs this at rate 2 for its second stage.
+
+    norm: None, or a normalized outer layer's (dd, cs_z, dzT, z0, eps) (:class:`HLA2LayersFunction`):
+    do is then the numerator's gradient and dd [B, T, H] fp32 the denominator's, cs_z the outer
+    layer's chunk-start z (or None with cs_w), dzT z_T's gradient or None, z0 the initial z (fp32
+    [B, H, K]) or None; dz0 (None otherwise) is z0's gradient."""
     g_out, gamma_out = outer_decay(g, gamma, rate)
+    dd, cs_z, dzT, z0, eps = (None,) * 5 if norm is None else norm
     if cs_s is None:
         # the forward kept no states (or walked other chunks): both layers' at the backward's chunk
         again = cfg.replace(fwd_chunk=cfg.bwd_chunk, fwd_warps=cfg.bwd_warps, fwd_stages=1)
         cs_s = layer_fwd(q, k, k, g, gamma, s0t, again, keep_states=True, launch=launch)[2]
-        cs_w = layer_fwd(q, kp, v, g_out, gamma_out, w0, again, keep_states=True, launch=launch)[2]
+        if norm is None:
+            cs_w = layer_fwd(q, kp, v, g_out, gamma_out, w0, again, keep_states=True, launch=launch)[2]
+        else:
+            cs_w, cs_z = normalized_layer_fwd(q, kp, v, g_out, gamma_out, w0, z0, eps, again, keep_states=True,
+                                              launch=launch)[4:]
     # -- outer layer: dv, dq, dK' (and its share of dL/db at rate 1 + c) --------------------------
-    dv, dq, dkp, dw0, db_out = layer_bwd(q, kp, v, do.contiguous(), g_out, gamma_out, cs_w, dwT, w0 is not None,
-                                         cfg, want_db=want_db, db_own=True, launch=launch)
+    dz0 = None
+    if norm is None:
+        dv, dq, dkp, dw0, db_out = layer_bwd(q, kp, v, do.contiguous(), g_out, gamma_out, cs_w, dwT, w0 is not None,
+                                             cfg, want_db=want_db, db_own=True, launch=launch)
+    else:   # on [v | 1]: the ones column as z beside W
+        dv, dq, dkp, dw0, dz0, db_out = normalized_layer_bwd(
+            q, kp, v, do.contiguous(), dd, g_out, gamma_out, cs_w, cs_z, dwT, dzT, w0 is not None, cfg,
+            want_db=want_db, launch=launch)
     # -- inner layer from dK': dq added to the outer's, dk with its value slot's ------------------
     _, dq, dk, ds0, db_in = layer_bwd(q, k, k, dkp, g, gamma, cs_s, transposed(dsT), s0t is not None, cfg, dq_in=dq,
                                       want_db=want_db, db_own=True, x_is_k=True, launch=launch)
     db = db_in + (1 + rate) * db_out if want_db else None
-    return dq, dk, dv, transposed(ds0), dw0, db
+    return dq, dk, dv, transposed(ds0), dw0, db, dz0
 
 
 class HLA2LayersFunction(torch.autograd.Function):
@@ -695,49 +716,67 @@ class HLA2LayersFunction(torch.autograd.Function):
     two layers' first-order backwards, the outer first (:func:`layers_bwd`). dL/db is theirs plus
     the final states' share.
 
+    Normalized (rate 1), the outer layer divides by its own denominator, the outer layer on a
+    column of ones, LA(Q, K', 1)_t = q_t . z_t with z_t = sum_{j <= t} exp(2 (b_t - b_j)) K'_j: the
+    walk carries z beside W and forms the denominator from the chunk's A row sums
+    (``ahla.chunk.normalized_layer_fwd``); the backward takes the numerator's and the denominator's
+    gradients (``common.normalize``) through the same walks, the ones column as vectors
+    (``ahla.chunk.normalized_layer_bwd``).
+
     forward(q [B,T,H,K], k, v [B,T,H,V], g [B,T,H] | None, s0 [B,H,K,K] | None, w0 [B,H,K,V] | None,
-    gamma, cfg, rate, launch) -> (o [B,T,H,V] in v's dtype, S_T, W_T fp32). The backward is not
-    itself differentiable (it raises if asked)."""
+    z0 [B,H,K] | None, gamma, normalize, eps, cfg, rate, launch) -> (o [B,T,H,V] in v's dtype, S_T,
+    W_T fp32, z_T fp32 [B,H,K] or None (unnormalized)). The backward is not itself differentiable
+    (it raises if asked)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, s0, w0, gamma, cfg, rate, launch):
+    def forward(ctx, q, k, v, g, s0, w0, z0, gamma, normalize, eps, cfg, rate, launch):
         ctx.set_materialize_grads(False)
-        grads = any(ctx.needs_input_grad[:6])
+        grads = any(ctx.needs_input_grad[:7])
         keep = grads and cfg.keeps_states
         s0t = transposed(s0)   # the inner layer's state is S^T: it reads q^T S
-        o, sT, wT, kp, cs_s, cs_w = layers_fwd(q, k, v, g, gamma, s0t, w0, cfg, rate, keep, launch)
-        final = (sT, wT) if g is not None and ctx.needs_input_grad[3] else (None, None)
-        ctx.save_for_backward(q, k, v, g, s0t, w0, kp, *final, cs_s, cs_w)
-        ctx.gamma, ctx.cfg, ctx.rate, ctx.launch = gamma, cfg, rate, launch
-        return o, sT, wT
+        den = zT = cs_z = None
+        if normalize:
+            _check_rate(rate, normalize)
+            kp, sT, cs_s = layer_fwd(q, k, k, g, gamma, s0t, cfg, keep_states=keep, launch=launch)
+            g_out, gamma_out = outer_decay(g, gamma, rate)
+            o, den, wT, zT, cs_w, cs_z = normalized_layer_fwd(q, kp, v, g_out, gamma_out, w0, z0, eps, cfg,
+                                                              keep_states=keep, launch=launch)
+            sT = transposed(sT)
+        else:
+            o, sT, wT, kp, cs_s, cs_w = layers_fwd(q, k, v, g, gamma, s0t, w0, cfg, rate, keep, launch)
+        final = (sT, wT, zT) if g is not None and ctx.needs_input_grad[3] else (None, None, None)
+        ctx.save_for_backward(q, k, v, g, s0t, w0, z0, kp, o if normalize else None, den, *final, cs_s, cs_w, cs_z)
+        ctx.gamma, ctx.normalize, ctx.eps, ctx.cfg, ctx.rate, ctx.launch = gamma, normalize, eps, cfg, rate, launch
+        return o, sT, wT, zT
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, do, dsT, dwT):
-        q, k, v, g, s0t, w0, kp, sT, wT, cs_s, cs_w = ctx.saved_tensors
+    def backward(ctx, do, dsT, dwT, dzT):
+        q, k, v, g, s0t, w0, z0, kp, o, den, sT, wT, zT, cs_s, cs_w, cs_z = ctx.saved_tensors
         want_dg = g is not None and ctx.needs_input_grad[3]
         if do is None:
             do = torch.zeros_like(v)
-        dq, dk, dv, ds0, dw0, db = layers_bwd(q, k, v, kp, do, g, ctx.gamma, s0t, w0, cs_s, cs_w, dsT, dwT, ctx.cfg,
-                                              ctx.rate, want_dg, ctx.launch)
+        norm = None
+        if ctx.normalize:
+            # o = num / (den + eps): the numerator's gradient do / d and the denominator's dd
+            do, dd = normalized_output_grad(do, o, den, ctx.eps, launch=ctx.launch)
+            norm = (dd, cs_z, dzT, z0, ctx.eps)
+        dq, dk, dv, ds0, dw0, db, dz0 = layers_bwd(q, k, v, kp, do, g, ctx.gamma, s0t, w0, cs_s, cs_w, dsT, dwT,
+                                                   ctx.cfg, ctx.rate, want_dg, ctx.launch, norm=norm)
         dg = None
         if want_dg:
-            # S_T carries exp(b_T - b_i), W_T exp((1 + c) b_T - b_i - c b_j): their share of dL/db_T
-            dg = log_gate_grad(db, ((sT, dsT, 1.0), (wT, dwT, 1.0 + ctx.rate)), g.dtype)
-        return dq, dk, dv, dg, ds0, dw0, None, None, None, None
+            # S_T carries exp(b_T - b_i), W_T and z_T exp((1 + c) b_T - b_i - c b_j): their share of dL/db_T
+            c1 = 1.0 + ctx.rate
+            dg = log_gate_grad(db, ((sT, dsT, 1.0), (wT, dwT, c1), (zT, dzT, c1)), g.dtype)
+        return dq, dk, dv, dg, ds0, dw0, dz0, None, None, None, None, None, None
 
 
 def _layers_call(q, k, v, g, gamma, s0, w0, z0, normalize, eps, cfg, rate, launch):
-    """HLA2 as first-order layers (:class:`HLA2LayersFunction`); normalized, on [v | 1] (W's last
-    column is z) with the quotient taken here. Returns as :func:`hla2_chunked`."""
+    """HLA2 as first-order layers (:class:`HLA2LayersFunction`; normalized in the kernels, z beside
+    W). Returns as :func:`hla2_chunked`."""
     _check_rate(rate, normalize)
-    V = v.shape[-1]
-    if normalize:
-        v, w0 = with_ones(v), with_column(w0, z0)
-    o, S, W = HLA2LayersFunction.apply(q, k, v, g, s0, w0, gamma, cfg, rate, launch)
-    if not normalize:
-        return o, S, W, None
-    return quotient(o, V, eps, v.dtype), S, W[..., :V], W[..., V]
+    return HLA2LayersFunction.apply(q, k, v, g, s0, w0, z0 if normalize else None, gamma, normalize, eps, cfg, rate,
+                                    launch)
 
 
 def _feature_blocks(K):

@@ -241,7 +241,7 @@ class HLA3StagedFunction(torch.autograd.Function):
             do = torch.zeros_like(v)
         # -- second stage: dq, dk, dR (and its share of dL/db) ------------------------------------
         if cfg2.layers:
-            dq, dk, dr, ds0, df0, db = hla2_chunk.layers_bwd(q, k, r, kp, do, g, gamma, s0, f0, cs_s, cs_f, dsT, dfT,
+            dq, dk, dr, ds0, df0, db, _ = hla2_chunk.layers_bwd(q, k, r, kp, do, g, gamma, s0, f0, cs_s, cs_f, dsT, dfT,
                                                              cfg2, 2, want_dg, launch)
         else:
             dq, dk, _, _, dr, ds0, df0, db, _ = hla2_chunk.bwd_launch(
