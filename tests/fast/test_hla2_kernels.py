@@ -568,10 +568,13 @@ def test_layers_rule(monkeypatch):
                 ahla = hla_fast.ahla_config(4, 32768, 16, K, K, bf16, cuda, training=training)
                 assert c == ahla.replace(bwd_segments=1, bwd_pieces=1, bwd_prefetch=False, bwd_layers=False,
                                          grad_parts=(7,), layers=True)
-                assert hla_fast.hla2_config(4, 32768, 16, K, K, bf16, cuda, gated=gated, training=training,
-                                            normalize=True) == c
+                # normalized: the same layout, but chunks of 64 in 4-warp programs where it walks chunks of 128
+                n = hla_fast.hla2_config(4, 32768, 16, K, K, bf16, cuda, gated=gated, training=training, normalize=True)
+                assert n == (c.replace(fwd_chunk=64, fwd_warps=4) if c.fwd_chunk == 128 else c)
     c = hla_fast.hla2_config(4, 32768, 16, 128, 128, bf16, cuda)
     assert (c.fwd_chunk, c.fwd_warps, c.fwd_stages) == (128, 8, 2)   # AHLA's inference walk of 128-wide keys
+    assert hla_fast.hla2_config(4, 32768, 16, 128, 128, bf16, cuda, normalize=True).fwd_chunk == 64
+    assert hla_fast.hla2_config(4, 32768, 16, 128, 128, bf16, cuda, 128, normalize=True).fwd_chunk == 128   # asked
     c = hla_fast.hla2_config(4, 32768, 16, 128, 128, bf16, cuda, training=True)
     assert (c.fwd_chunk, c.bwd_chunk, c.save_states) == (64, 64, True)
     for args, kw in [((4, 32768, 16, 128, 128, torch.float32), dict(normalize=True)),

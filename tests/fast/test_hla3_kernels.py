@@ -517,13 +517,13 @@ def test_shared_walk_is_checked(device):
         hla_fast.hla3(q, k, v, gamma=0.9, backend="triton", config=(layers.replace(layers=False), shared))
     first, second = chunk.stage_configs(shared)
     assert second == shared and first == layers.replace(layers=False)
-    # the walk's launcher: a second value tensor is for the first layer alone, which is not normalized
+    # the walk's launcher: a second value tensor is for the first layer alone, and is not normalized
     from hla_fast.ops.ahla.chunk import fwd_launch
 
     walk = dict(chunk=16, warps=4, block_v=16)
     with pytest.raises(ValueError, match=r"a second value tensor \(v2\) is for the first layer alone \(second=False\)"):
         fwd_launch(q, k, v, None, 0.9, None, None, None, None, v2=k, **walk)
-    with pytest.raises(ValueError, match=r"the first layer alone \(second=False\) is not normalized"):
+    with pytest.raises(ValueError, match=r"a second value tensor \(v2\) is not normalized"):
         fwd_launch(q, k, v, None, 0.9, None, None, None, None, v2=k, second=False, normalize=True, **walk)
 
 

@@ -82,6 +82,10 @@ TWO_WALKS_CHUNK = 64
 TWO_WALKS_MIN_CHUNKS = 128
 # a split forward's output pass computes up to OUTPUT_BLOCK_V value columns a program
 OUTPUT_BLOCK_V = TILE_MAX
+# a normalized call that the layers' rule would walk in chunks of 128 walks chunks of
+# NORMALIZED_LAYERS_CHUNK in NORMALIZED_LAYERS_WARPS-warp programs instead (hla2_config)
+NORMALIZED_LAYERS_CHUNK = 64
+NORMALIZED_LAYERS_WARPS = 4
 
 
 def bwd_value_width(K: int) -> int:
@@ -100,9 +104,19 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     layers (:func:`layers_config`) where :func:`takes_layers` says they were measured faster, else
     the fused kernels' rule (:func:`fused_config`). Normalized or not alike: the layers carry the
     denominator's state z beside W in the outer layer's walks (:class:`HLA2LayersFunction`), as the
-    fused kernels do. The result is immutable, so it is cached."""
+    fused kernels do; but a normalized inference forward that the layers' rule walks in chunks of
+    128 (128-wide keys) takes chunks of 64 in 4-warp programs, whose row sums of A stay within a warp:
+    K = V = 128, T = 32k, 4.75 -> 4.15 ms (each layout in its own process, ``python
+    benchmarks/split_forward.py --op hla2 --normalize --dims 128 --no-fla --layouts '[{}, {"fwd_chunk":
+    64}, {"fwd_chunk": 64, "fwd_warps": 4}, {"fwd_stages": 1}]'``,
+    ``benchmarks/results/hla2_h200_normalized_layers_fwd_layouts_k128.json``; unnormalized, the same
+    change was 2.35 -> 2.87, ``hla2_h200_plain_fwd_layouts_k128.json``). The result is immutable,
+    so it is cached."""
     if takes_layers(T, K, V, dtype, False, training):
-        return layers_config(B, T, H, K, V, dtype, device, chunk_size, training)
+        cfg = layers_config(B, T, H, K, V, dtype, device, chunk_size, training)
+        if normalize and chunk_size is None and cfg.fwd_chunk == 128:
+            cfg = cfg.replace(fwd_chunk=NORMALIZED_LAYERS_CHUNK, fwd_warps=NORMALIZED_LAYERS_WARPS)
+        return cfg
     return fused_config(B, T, H, K, V, dtype, device, chunk_size, gated, normalize, training)
 
 
