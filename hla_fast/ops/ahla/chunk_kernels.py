@@ -322,16 +322,11 @@ def ahla_fwd_kernel(
         b_v2, n_v2 = _step_values2(v2, n_v2, off_v2, t, mt, t + BT, t + BT < end, rv2, mv2, H, V2, IS_BF16, HAS_V2,
                                    PREFETCH)
         G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY, HOIST=True)
-        if SAVE_STATES:
+        if SAVE_STATES:   # the chunk's start state (p's with SAVE_PN, which comes without HAS_E: no e)
             i_cs = i_bh.to(tl.int64) * NT + i_c
-            store_mat(cs_p + i_cs * K * V, P, rk, mk, rv, mv, V)
-            if HAS_E:
-                store_mat(cs_e + i_cs * K * V, E, rk, mk, rv, mv, V)
+            _store_start(cs_p, cs_e, cs_pn, None, i_cs, P, E, pn, en, i_v, rk, mk, rv, mv, K, V, SAVE_PN, HAS_E)
             if HAS_V2:
                 store_mat(cs_p2 + i_cs * K * V2, P2, rk, mk, rv2, mv2, V2)
-            if SAVE_PN:
-                if i_v == 0:
-                    tl.store(cs_pn + i_cs * K + rk, pn, mask=mk)
         # -- first order: R = diag(g1) Q P0 + A V ------------------------------------------
         b_a, b_r, r_n = _chunk_first_order(b_q, b_kt, b_v, P, pn, G, g1, NORM, IS_BF16, PREC)
         if STORE_R:
@@ -473,8 +468,8 @@ def ahla_fwd_summary_kernel(
 @triton.jit
 def _store_start(seg_p, seg_e, seg_pn, seg_en, i_sg, P, E, pn, en, i_v, rk, mk, rv, mv,
                  K: tl.constexpr, V: tl.constexpr, NORM: tl.constexpr, HAS_E: tl.constexpr):
-    """Store segment i_sg's start state: P, E [BK, BV] (E with HAS_E), p, e [BK] (NORM, value block 0;
-    e with HAS_E)."""
+    """Store a start state at index i_sg (a segment's, or a chunk's snapshot): P, E [BK, BV] (E with
+    HAS_E), p, e [BK] (NORM, value block 0; e with HAS_E)."""
     store_mat(seg_p + i_sg * K * V, P, rk, mk, rv, mv, V)
     if HAS_E:
         store_mat(seg_e + i_sg * K * V, E, rk, mk, rv, mv, V)

@@ -749,8 +749,7 @@ class HLA2LayersFunction(torch.autograd.Function):
         keep = grads and cfg.keeps_states
         s0t = transposed(s0)   # the inner layer's state is S^T: it reads q^T S
         den = zT = cs_z = None
-        if normalize:
-            _check_rate(rate, normalize)
+        if normalize:   # (rate 1: checked by _layers_call)
             kp, sT, cs_s = layer_fwd(q, k, k, g, gamma, s0t, cfg, keep_states=keep, launch=launch)
             g_out, gamma_out = outer_decay(g, gamma, rate)
             o, den, wT, zT, cs_w, cs_z = normalized_layer_fwd(q, kp, v, g_out, gamma_out, w0, z0, eps, cfg,
