@@ -58,8 +58,8 @@ def hopper_launchers(op):
     cuda = torch.device("cuda")
     launch.sm_count = lambda device: SMS
     launch.interpreter_on = lambda: False
-    # hla3 runs hla2's and ahla's launchers (its two stages)
-    for name_op in ("hla2", "ahla") if op == "hla3" else (op,):
+    # hla3 runs hla2's and ahla's launchers (its two stages), hla2 as layers ahla's
+    for name_op in ("hla2", "ahla") if op in ("hla2", "hla3") else (op,):
         mod = importlib.import_module(f"hla_fast.ops.{name_op}.chunk")
         for name in ("min_key_block", "min_value_block"):   # imported by name into the operator's module
             if hasattr(mod, name):
@@ -70,23 +70,30 @@ def hopper_launchers(op):
     return importlib.import_module(f"hla_fast.ops.{op}.chunk"), cuda, Recorder()
 
 
-def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, gates=False, normalize=False):
+def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, gates=False, normalize=False,
+                    layers=False):
     """Run ``op``'s launchers on meta tensors; return (config, [(kernel, grid, kwargs), ...]).
-    normalize (HLA2 only): a normalized call, whose backward carries the ones column (``dd``)."""
+    normalize (HLA2 only): a normalized call, whose backward carries the ones column (``dd``).
+    layers (HLA2 only): the call in the layout of ``hla2_config``, which must take the first-order
+    layers for it (AHLA's single-layer kernels; in key blocks for heads wider than 128), its
+    autograd Function rehearsed (forward, and backward unless forward_only)."""
     if normalize and op != "hla2":
         raise ValueError(f"normalize: only hla2's launchers are recorded normalized, not {op}'s")
+    if layers and op != "hla2":
+        raise ValueError(f"layers: only hla2's calls are recorded as first-order layers, not {op}'s")
     chunk, cuda, rec = hopper_launchers(op)
     import hla_fast
     from hla_fast.ops.common.launch import snapshot_dtype
 
-    # hla2: the fused kernels' rule, whose launchers these are (a call the rule runs as first-order
-    # layers runs AHLA's single-layer kernels: ``--op ahla`` compiles those)
-    rule = chunk.fused_config if op == "hla2" else getattr(hla_fast, f"{op}_config")
+    # hla2: the fused kernels' rule, whose launchers these are, or with ``layers`` hla2_config's
+    rule = (chunk.hla2_config if layers else chunk.fused_config) if op == "hla2" else getattr(hla_fast, f"{op}_config")
     # the rule as the call asks it (a training call unless forward_only; hla3: its second stage's)
     kw = {"training": not forward_only} if op == "ahla" else (
         {"gated": gates, "normalize": normalize, "training": not forward_only} if op == "hla2" else
         {"gated": gates, "training": not forward_only})
     cfg = rule(B, T, H, K, V, dtype, cuda, **kw).replace(**(changes or {}))
+    if layers and not cfg.layers:
+        raise ValueError(f"layers: hla2_config does not take the first-order layers for K={K}, V={V}, T={T}, {dtype}")
     meta = torch.device("meta")
     q = torch.empty(B, T, H, K, dtype=dtype, device=meta)
     k = torch.empty_like(q)
@@ -95,7 +102,14 @@ def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, 
     g = torch.empty(B, T, H, device=meta) if gates else None
     gamma = None if gates else 0.999
     save = cfg.save_states and cfg.fwd_chunk == cfg.bwd_chunk and not forward_only
-    if op == "hla2":
+    if op == "hla2" and layers:
+        from hla_fast.ops.common.compile import rehearse
+
+        def call(q, k, v, g, launch):
+            return chunk.hla2_chunked(q, k, v, g, gamma, None, None, None, normalize, 1e-6, cfg, launch=launch)
+
+        rehearse(call, tuple(None if x is None else x.requires_grad_(not forward_only) for x in (q, k, v, g)), rec)
+    elif op == "hla2":
         snap = snapshot_dtype(cfg, dtype) if save else None
         cs = chunk.fwd_launch(q, k, v, g, gamma, None, None, None, snapshots=snap, normalize=normalize, eps=1e-6,
                               launch=rec, **chunk.forward_layout(cfg))[5]
@@ -218,11 +232,12 @@ def compile_launch(kernel, kw, ptxas):
             "spill_loads": spill.get("loads", 0), "seconds": round(seconds, 2)}
 
 
-def report(op, B, T, H, K, V, dtype, changes=None, forward_only=False, gates=False, only=None, normalize=False):
+def report(op, B, T, H, K, V, dtype, changes=None, forward_only=False, gates=False, only=None, normalize=False,
+           layers=False):
     """Compile every distinct launch of one call; returns {"config": str, "kernels": [row, ...]}."""
     from hla_fast.ops.common.compile import TensorArg
 
-    cfg, log = record_launches(op, B, T, H, K, V, dtype, changes, forward_only, gates, normalize)
+    cfg, log = record_launches(op, B, T, H, K, V, dtype, changes, forward_only, gates, normalize, layers)
     ptxas = _ptxas()
     rows, seen = [], set()
     for kernel, _, kw in log:
@@ -274,6 +289,8 @@ def main(argv=None):
     ap.add_argument("--pass", dest="which", choices=("both", "forward"), default="both")
     ap.add_argument("--gates", action="store_true", help="log-gates g (that require grad) instead of gamma")
     ap.add_argument("--normalize", action="store_true", help="a normalized call (hla2 only)")
+    ap.add_argument("--layers", action="store_true",
+                    help="hla2 as first-order layers in its rule's layout (hla2_config must take them)")
     ap.add_argument("--only", default=None, help="compile only kernels whose name contains this")
     ap.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     ap.add_argument("--out", default=None, help="also write OUT.json and OUT.md (with date, versions, CPU)")
@@ -285,7 +302,7 @@ def main(argv=None):
     os.environ["TRITON_CACHE_DIR"] = cache
     atexit.register(shutil.rmtree, cache, True)
     res = report(args.op, args.B, args.T, args.H, args.K, args.V, getattr(torch, args.dtype), args.config,
-                 args.which == "forward", args.gates, args.only, args.normalize)
+                 args.which == "forward", args.gates, args.only, args.normalize, args.layers)
     if args.out:
         import datetime
         import platform

@@ -70,6 +70,8 @@ def load(name):
                                           ("bench_hla3", "hla3_h200_last_summary"),
                                           ("bench_hla2", "hla2_h200_targets_32k"),
                                           ("bench_hla2", "hla2_h200_targets_32k_normalized_layers"),
+                                          ("bench_hla2", "hla2_h200_key_block_layers"),
+                                          ("bench_hla2", "hla2_h200_first_call_layers"),
                                           ("profile_kernels", "kernels_h200_shared_walk"),
                                           ("profile_kernels", "kernels_hla2_h200_normalized_layers"),
                                           ("bench_hla2", "hla2_h200_split_rule_k64"),

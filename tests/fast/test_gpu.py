@@ -103,7 +103,7 @@ def _assert_gradients_match(q, k, v, g, tol, normalize=False, cfg=None):
 @pytest.mark.parametrize("dtype,K,V,normalize", [
     (torch.bfloat16, 64, 64, False), (torch.bfloat16, 64, 128, False), (torch.bfloat16, 128, 64, True),
     (torch.bfloat16, 128, 128, False), (torch.float32, 64, 32, True), (torch.float32, 64, 64, False),
-    (torch.bfloat16, 256, 192, False), (torch.float32, 160, 48, False),
+    (torch.bfloat16, 256, 192, False), (torch.float32, 160, 48, False), (torch.bfloat16, 256, 256, True),
     (torch.bfloat16, 32, 32, False), (torch.bfloat16, 32, 32, True), (torch.bfloat16, 16, 48, False),
     (torch.bfloat16, 64, 64, True), (torch.bfloat16, 128, 128, True), (torch.float32, 128, 128, True),
 ])

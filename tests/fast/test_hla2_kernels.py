@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from .helpers import (
-    HOPPER_SHARED, has_cuda_compiler, rand_gates, rand_qkv, real_calls, ref_hla2, rel, rule_kernels_shared, torch,
+    HOPPER_SHARED, brute_hla2, has_cuda_compiler, rand_gates, rand_qkv, real_calls, ref_hla2, rel, rule_kernels_shared, torch,
 )
 
 import hla_fast
@@ -551,6 +551,21 @@ def test_split_layouts_fit_hopper_shared_memory():
         assert nbytes <= HOPPER_SHARED, (name, cfg, nbytes)
 
 
+@pytest.mark.skipif(not has_cuda_compiler(), reason="needs Triton's CUDA backend (compiler and ptxas)")
+def test_key_block_layers_fit_hopper_shared_memory():
+    """The rule's layouts for 256-wide bf16 heads, first-order layers in two key blocks of 128 whose
+    inner layer's values are all 256 features: every kernel of a training call and of an inference
+    forward, with gamma and with gates, fits an H200's shared memory by an sm_90 compile."""
+    cases = [dict(B=4, T=8192, H=16, K=256, V=256, dtype="bfloat16", forward_only=fwd, gates=gates, layers=True)
+             for fwd in (False, True) for gates in (False, True)]
+    shared = rule_kernels_shared("hla2", cases)
+    names = {name for name, *_ in shared}
+    assert names == {"ahla_fwd_kernel", "ahla_bwd_dh_kernel", "ahla_bwd_layer_kernel"}, names
+    assert all("layers=True" in cfg for _, _, cfg in shared)
+    for name, nbytes, cfg in shared:
+        assert nbytes <= HOPPER_SHARED, (name, cfg, nbytes)
+
+
 def test_layers_rule(monkeypatch):
     """hla2_config takes the first-order layers (``layers_config``: AHLA's rule for the same
     kernels, the backward walking whole sequences) for long bf16 calls of 64- or 128-wide heads,
@@ -585,14 +600,24 @@ def test_layers_rule(monkeypatch):
         assert not c.layers and c == chunk.fused_config(*args, cuda, **kw), (args, kw)
     assert hla_fast.hla2_config(4, 2048, 16, 128, 128, bf16, cuda, training=True).layers
     assert hla_fast.hla2_config(4, 2049, 16, 64, 64, bf16, cuda).layers
+    # 256-wide heads: the layers in two key blocks, in the layout of a 128-wide key tile (normalized
+    # too: on [v | 1], no NORM walk to take chunks of 64 for); fp32, or narrower values, the fused
+    # kernels' feature-block pairs
+    for T in (2048, 8192):
+        for training in (False, True):
+            for kw in ({}, {"normalize": True}, {"gated": True}):
+                c = hla_fast.hla2_config(4, T, 16, 256, 256, bf16, cuda, training=training, **kw)
+                assert c == chunk.layers_config(4, T, 16, 128, 256, bf16, cuda, training=training), (T, training, kw)
+    for args, kw in [((4, 8192, 16, 256, 256, torch.float32), {}), ((4, 8192, 16, 256, 64, bf16), {})]:
+        assert not hla_fast.hla2_config(*args, cuda, **kw).layers, (args, kw)
     for rule in (hla_fast.hla2_config, chunk.layers_config, chunk.fused_config, hla_fast.ahla_config):
         rule.cache_clear()   # nothing the rule cached while it saw a GPU stays
 
 
 def test_layers_config_is_checked(device):
     """config.layers: refused beside the fields of the fused kernels' backward walk and split
-    forward, for heads wider than one feature block, and by AHLA, which does not run as layers in
-    both passes (HLA3's second stage does: test_hla3_kernels.py)."""
+    forward, and by AHLA, which does not run as layers in both passes (HLA3's second stage does:
+    test_hla3_kernels.py)."""
     layers = ChunkConfig(fwd_chunk=16, bwd_chunk=16, grad_parts=(7,), layers=True)
     for bad in ({"bwd_segments": 2}, {"bwd_pieces": 2}, {"bwd_prefetch": True}, {"bwd_layers": True},
                 {"fwd_output_pass": True}):
@@ -601,9 +626,6 @@ def test_layers_config_is_checked(device):
             layers.replace(**bad)
     with pytest.raises(TypeError, match="config.layers must be True or False, got 1"):
         layers.replace(layers=1)
-    q, k, v = rand_qkv(1, 5, 1, 130, 8, seed=1, device=device)
-    with pytest.raises(ValueError, match="config.layers needs a head of at most 128 key features .*got K=130"):
-        hla_fast.hla2(q, k, v, gamma=0.9, backend="triton", config=layers)
     q, k, v = rand_qkv(1, 5, 1, 8, 8, seed=2, device=device)
     with pytest.raises(ValueError, match="config.layers must be False for ahla"):
         hla_fast.ahla(q, k, v, gamma=0.9, backend="triton", config=layers)
@@ -612,11 +634,13 @@ def test_layers_config_is_checked(device):
     assert rel(o, ref_hla2(q, k, v, 0.9)) < TOL
 
 
+@pytest.mark.parametrize("K", [16, 140])
 @pytest.mark.parametrize("gated", [False, True])
-def test_layers_at_rate_two_equal_the_fused_kernels(gated, device, poison):
+def test_layers_at_rate_two_equal_the_fused_kernels(gated, K, device, poison):
     """The layers at the inner index's rate 2 (hla3's second stage's weights, exp(3 b_t - b_i -
-    2 b_j)): the outer layer decays at 3 g. Outputs, final states and gradients as the fused kernels'."""
-    q, k, v = rand_qkv(1, 41, 2, 16, 24, seed=11, device=device)
+    2 b_j)): the outer layer decays at 3 g. Outputs, final states and gradients as the fused kernels'
+    (for keys wider than one tile, the layers in key blocks against the fused feature-block pairs)."""
+    q, k, v = rand_qkv(1, 41, 2, K, 24, seed=11, scale=0.5 if K < 64 else 0.2, device=device)
     g = rand_gates(1, 41, 2, seed=12, strength=0.1, device=device) if gated else None
     gamma = None if gated else 0.9
 
@@ -631,6 +655,49 @@ def test_layers_at_rate_two_equal_the_fused_kernels(gated, device, poison):
     layered = run(ChunkConfig(fwd_chunk=16, bwd_chunk=16, grad_parts=(7,), layers=True))
     for a, b in zip(layered, fused):
         assert rel(a, b) < TOL
+
+
+@pytest.mark.parametrize("K,V,gated,save,normalize", [
+    (160, 24, True, True, False), (144, 136, False, False, False), (256, 16, True, True, False),
+    (200, 40, False, True, False), (160, 24, True, True, True), (140, 63, False, False, True)])
+def test_wide_heads_as_key_block_layers(K, V, gated, save, normalize, device, poison):
+    """Keys wider than one tile as first-order layers in key blocks (``key_block_layers_fwd``;
+    normalized on [v | 1]): the output, the final states and every gradient (the initial state's
+    too, with cotangents on the final states) against the float64 torch path, with gates or gamma,
+    the chunk states kept by the forward or recomputed by the backward, values wider than one tile;
+    and from no initial state, forward only, against the index sums."""
+    B, T, H = 1, 37, 2
+    q, k, v = rand_qkv(B, T, H, K, V, seed=K + V, scale=0.2, positive=normalize, device=device)
+    g = rand_gates(B, T, H, seed=K, strength=0.1, device=device) if gated else None
+    gen = torch.Generator().manual_seed(V)
+    # S0 not symmetric; normalized, a positive start (S0, z0) keeps the denominator positive
+    S0, W0 = ((torch.rand if normalize else torch.randn)(B, H, K, n, generator=gen) * 0.1 for n in (K, V))
+    z0 = torch.rand(B, H, K, generator=gen) if normalize else None
+    cfg = ChunkConfig(fwd_chunk=16, bwd_chunk=16, grad_parts=(7,), layers=True, save_states=save)
+    assert len(chunk.key_blocks(K)) == 2
+
+    def run(dtype, backend, config):
+        ins = [None if x is None else x.detach().to(device if backend == "triton" else "cpu", dtype).requires_grad_()
+               for x in (q, k, v, g, S0, W0, z0)]
+        kw = {"g": ins[3]} if gated else {"gamma": 0.9}
+        o, st = hla_fast.hla2(*ins[:3], initial_state=hla_fast.HLA2State(*ins[4:]), output_final_state=True,
+                              normalize=normalize, backend=backend, config=config, **kw)
+        loss = o.sin().sum() + st.S.cos().sum() + st.W.square().sum() + (st.z.sum() if normalize else 0)
+        loss.backward()
+        return [o, st.S, st.W] + ([st.z] if normalize else []) + [x.grad for x in ins if x is not None]
+
+    for a, b in zip(run(torch.float32, "triton", cfg), run(torch.float64, "torch", None), strict=True):
+        assert rel(a, b) < 1e-4   # dg: a reverse sum of fp32 products (the contract suite's bound)
+    kw = {"g": g} if gated else {"gamma": 0.9}
+    o, _ = hla_fast.hla2(q, k, v, normalize=normalize, backend="triton", config=cfg, **kw)
+    assert rel(o, brute_hla2(q, k, v, None if gated else 0.9, normalize=normalize, g=g)) < TOL
+
+
+@pytest.mark.parametrize("K", [129, 140, 200, 256])
+def test_key_blocks_tile_the_head(K):
+    blocks = chunk.key_blocks(K)
+    assert len(blocks) == 2 and blocks[0][0] == 0 and blocks[-1][1] == K and blocks[0][1] == blocks[1][0]
+    assert max(b - a for a, b in blocks) - min(b - a for a, b in blocks) <= 1 and blocks[0][1] <= chunk.TILE_MAX
 
 
 @pytest.mark.parametrize("save", [True, False])

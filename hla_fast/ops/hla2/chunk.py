@@ -31,7 +31,10 @@ Wide heads: a program holds a K x K and a K x V fp32 state, so tiles stop at TIL
 wider head is cut into feature blocks a, b of at most FEATURE_BLOCK: since q . k is the sum of the
 blocks' dot products, HLA2 is the sum over block pairs of the cross operator with (q_a, k_a)
 outside and (q_b, k_b) inside (``hla2_chunked``). Values wider than TILE_MAX are cut into value
-blocks in the backward (the operator is linear in v).
+blocks in the backward (the operator is linear in v). As first-order layers (the rule's layout for
+bf16 heads of 256), a layer is the sum of its key blocks' layers, each block's state the rows of
+the layer's state for its keys, so a head needs one walk per key block of at most TILE_MAX and
+layer instead of one per pair (``key_block_layers_fwd``).
 
 Launches go through each launcher's ``launch`` argument (``common.compile.launch_kernel``); the entry
 point first has ``common.compile.compile_ahead`` rehearse a new call with a recorder there and compile
@@ -112,9 +115,11 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     ``benchmarks/results/hla2_h200_normalized_layers_fwd_layouts_k128.json``; unnormalized, the same
     change was 2.35 -> 2.87, ``hla2_h200_plain_fwd_layouts_k128.json``). The result is immutable,
     so it is cached."""
+    wide = K > TILE_MAX   # in key blocks (normalized on [v | 1]: no NORM walks)
     if takes_layers(T, K, V, dtype, False, training):
-        cfg = layers_config(B, T, H, K, V, dtype, device, chunk_size, training)
-        if normalize and chunk_size is None and cfg.fwd_chunk == 128:
+        width = max(b - a for a, b in key_blocks(K))
+        cfg = layers_config(B, T, H, width, V, dtype, device, chunk_size, training)
+        if normalize and not wide and chunk_size is None and cfg.fwd_chunk == 128:
             cfg = cfg.replace(fwd_chunk=NORMALIZED_LAYERS_CHUNK, fwd_warps=NORMALIZED_LAYERS_WARPS)
         return cfg
     return fused_config(B, T, H, K, V, dtype, device, chunk_size, gated, normalize, training)
@@ -123,7 +128,7 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
 def takes_layers(T: int, K: int, V: int, dtype: torch.dtype, normalize: bool, training: bool) -> bool:
     """Whether the rule runs a call as first-order layers (``ChunkConfig.layers``): bf16, key and
     value tiles of one width, 64 or 128 (the heads measured), over more than SHORT_CHUNKS chunks of
-    64, or training 128-wide heads at any length; not ``normalize``: a stage whose values carry a
+    64, or training 128-wide heads at any length, or 256 at any length; not ``normalize``: a stage whose values carry a
     column of ones (HLA3's normalized second stage, V + 1 values; HLA2's own normalized calls carry
     z beside W instead and ask without it, :func:`hla2_config`). Timed in one process
     against the fused kernels' rule (bf16, B = 4, H = 16, forward / forward + backward, ms;
@@ -137,11 +142,19 @@ def takes_layers(T: int, K: int, V: int, dtype: torch.dtype, normalize: bool, tr
       24.8 -> 28.6 at K = V = 128, 1.50 -> 3.59 and 7.13 -> 17.1 at 64, so a stage on such values
       keeps the fused kernels, which carry the ones column as z beside W;
     * T = 2048: K = V = 64 0.16 -> 0.94 and 0.72 -> 1.70 (the fused rule's short layout: one
-      segment, three launches), K = V = 128 0.38 -> 0.47 and 1.75 -> 1.37."""
+      segment, three launches), K = V = 128 0.38 -> 0.47 and 1.75 -> 1.37;
+    * heads of 129 to 256 key features (key and value tiles of 256), at any length: the layers in
+      key blocks of at most 128 (:func:`key_block_layers_fwd`) against the fused kernels' 16
+      feature-block pairs, K = V = 256 (``--dims 256 --rev 2cce163``, ``--T 8192 [--gates]``,
+      ``--T 2048``; ``hla2_h200_ab_key_block_layers_{8k,8k_gates,2k}.json``): T = 8192 25.1 -> 3.61
+      and 159.6 -> 10.2, gated 26.7 -> 4.68 and 189.5 -> 11.7; T = 2048 6.59 -> 1.02 and
+      57.2 -> 2.67; the training peak beyond the inputs 3.49 -> 5.37 GB at T = 8192 (the blocks
+      of q, k and K' and each block's chunk states are kept). Normalized, the blocks' outer layers
+      run on [v | 1] (:func:`_layers_call`)."""
     BK, BV = pow2_block(K), pow2_block(V)
-    if dtype != torch.bfloat16 or normalize or BK != BV or BK not in (64, 128):
+    if dtype != torch.bfloat16 or normalize or BK != BV or BK not in (64, 128, 2 * TILE_MAX):
         return False
-    return cdiv(T, DEFAULT_CHUNK) > SHORT_CHUNKS or (training and BK == 128)
+    return cdiv(T, DEFAULT_CHUNK) > SHORT_CHUNKS or (training and BK == 128) or BK > TILE_MAX
 
 
 @functools.lru_cache(maxsize=4096)
@@ -716,6 +729,133 @@ def layers_bwd(q, k, v, kp, do, g, gamma, s0t, w0, cs_s, cs_w, dsT, dwT, cfg: Ch
     return dq, dk, dv, transposed(ds0), dw0, db, dz0
 
 
+def key_blocks(K: int):
+    """Bounds of the key blocks a first-order layer over K key features runs in: one up to TILE_MAX
+    (the widest key tile a layer kernel holds), else the fewest blocks at most TILE_MAX wide, as
+    even as possible."""
+    return [(0, K)] if K <= TILE_MAX else even_blocks(K, TILE_MAX)
+
+
+def _rows(x, a0, a1):
+    """Rows a0:a1 of a state [B, H, K, .] (contiguous), or None."""
+    return None if x is None else x[..., a0:a1, :].contiguous()
+
+
+def _summed(parts):
+    """The sum of same-shaped tensors (a contiguous tensor in their dtype)."""
+    out = parts[0] + parts[1] if len(parts) > 1 else parts[0].contiguous()
+    for x in parts[2:]:
+        out += x
+    return out
+
+
+def key_block_layers_fwd(q, k, v, g, gamma, s0t, w0, cfg: ChunkConfig, rate, keep, launch):
+    """:func:`layers_fwd` for keys wider than TILE_MAX, in key blocks (:func:`key_blocks`).
+    First-order attention is a sum over its key features, LA(Q, K, X) = sum_a LA(Q_a, K_a, X) with
+    Q_a, K_a the columns of block a, and the layer's state is the blocks' states stacked by rows
+    (P_a = sum k_a x^T). So the inner layer is K' = sum_b LA(Q_b, K_b, K) (values: all of K; state
+    S^T's rows b), and the outer O = sum_a LA(Q_a, K'_a, V) (state W's rows a): 2 x (number of
+    blocks) launches of the same first-order walk, each with a key tile of at most TILE_MAX.
+    Returns (o, S_T, W_T, qs, ks, kps (each block's columns of q, k, K', contiguous), cs_s, cs_w
+    (lists over the blocks, or of None))."""
+    blocks = key_blocks(q.shape[-1])
+    qs = [q[..., a0:a1].contiguous() for a0, a1 in blocks]
+    ks = [k[..., a0:a1].contiguous() for a0, a1 in blocks]
+    # -- inner layer, block b: Y_b = LA(Q_b, K_b, K) from S0^T's rows b; K' = sum_b Y_b ----------------
+    inner = [layer_fwd(qb, kb, k, g, gamma, _rows(s0t, b0, b1), cfg, keep_states=keep, launch=launch)
+             for qb, kb, (b0, b1) in zip(qs, ks, blocks)]
+    kps = [_summed([y[..., a0:a1] for y, _, _ in inner]) for a0, a1 in blocks]
+    # -- outer layer, block a: LA(Q_a, K'_a, V) from W0's rows a; O is their sum ----------------------
+    outer = [outer_layer_fwd(qa, kpa, v, g, gamma, _rows(w0, a0, a1), cfg, rate, keep, launch)
+             for qa, kpa, (a0, a1) in zip(qs, kps, blocks)]
+    o = _summed([x for x, _, _ in outer])
+    sT = transposed(torch.cat([s for _, s, _ in inner], -2))
+    wT = torch.cat([w for _, w, _ in outer], -2)
+    return o, sT, wT, qs, ks, kps, [cs for _, _, cs in inner], [cs for _, _, cs in outer]
+
+
+def key_block_layers_bwd(qs, ks, k, v, kps, do, g, gamma, s0t, w0, cs_s, cs_w, dsT, dwT, cfg: ChunkConfig, rate,
+                         want_db, launch):
+    """The backward of :func:`key_block_layers_fwd` from its blocks (qs, ks, kps), k, v, the kept
+    states (lists over the blocks, or None: recomputed at ``cfg.bwd_chunk``) and the cotangents
+    do, dsT, dwT: each block's first-order backward, the outer layer's first. The outer blocks
+    give dv (summed), dq's blocks and dK' (their columns side by side), the inner layer's output
+    gradient; the inner blocks add their dq to the outer's, give dk's blocks and, through their
+    value slot, a gradient for all of k (summed into dk). Returns as :func:`layers_bwd` (dz0 None)."""
+    blocks = key_blocks(k.shape[-1])
+    g_out, gamma_out = outer_decay(g, gamma, rate)
+    if cs_s is None:
+        # the forward kept no states (or walked other chunks): both layers' at the backward's chunk
+        again = cfg.replace(fwd_chunk=cfg.bwd_chunk, fwd_warps=cfg.bwd_warps, fwd_stages=1)
+        cs_s = [layer_fwd(qb, kb, k, g, gamma, _rows(s0t, b0, b1), again, keep_states=True, launch=launch)[2]
+                for qb, kb, (b0, b1) in zip(qs, ks, blocks)]
+        cs_w = [layer_fwd(qa, kpa, v, g_out, gamma_out, _rows(w0, a0, a1), again, keep_states=True, launch=launch)[2]
+                for qa, kpa, (a0, a1) in zip(qs, kps, blocks)]
+    do = do.contiguous()
+    # -- outer layer, block a: dv's share, dq_a, dK'_a ----------------------------------------------
+    outer = [layer_bwd(qa, kpa, v, do, g_out, gamma_out, cs, _rows(dwT, a0, a1), w0 is not None, cfg,
+                       want_db=want_db, db_own=True, launch=launch)
+             for qa, kpa, cs, (a0, a1) in zip(qs, kps, cs_w, blocks)]
+    dkp = torch.cat([x[2] for x in outer], -1)
+    # -- inner layer, block b, from dK': dq_b added to the outer's, dk_b, and dk's share as values ----
+    dsTt = transposed(dsT)
+    inner = [layer_bwd(qb, kb, k, dkp, g, gamma, cs, _rows(dsTt, b0, b1), s0t is not None, cfg, dq_in=dqa[1],
+                       want_db=want_db, db_own=True, launch=launch)
+             for qb, kb, cs, dqa, (b0, b1) in zip(qs, ks, cs_s, outer, blocks)]
+    dq = torch.cat([x[1] for x in inner], -1)
+    dk = _summed([torch.cat([x[2] for x in inner], -1)] + [x[0] for x in inner])
+    ds0 = None if s0t is None else transposed(torch.cat([x[3] for x in inner], -2))
+    dw0 = None if w0 is None else torch.cat([x[3] for x in outer], -2)
+    db = _summed([x[4] for x in inner]) + (1 + rate) * _summed([x[4] for x in outer]) if want_db else None
+    return dq, dk, _summed([x[0] for x in outer]), ds0, dw0, db, None
+
+
+def _layers_gate_grad(db, sT, dsT, wT, dwT, zT, dzT, rate, dtype):
+    """dL/dg of the layers from their per-token db and the final states' share: S_T carries
+    exp(b_T - b_i), W_T and z_T exp((1 + c) b_T - b_i - c b_j) (c = rate)."""
+    c1 = 1.0 + rate
+    return log_gate_grad(db, ((sT, dsT, 1.0), (wT, dwT, c1), (zT, dzT, c1)), dtype)
+
+
+class HLA2KeyBlockLayersFunction(torch.autograd.Function):
+    """Autograd of HLA2 as first-order layers for keys wider than TILE_MAX, in key blocks
+    (:func:`key_block_layers_fwd`, :func:`key_block_layers_bwd`); unnormalized (a normalized call
+    runs it on [v | 1] and divides, :func:`_layers_call`: a block's layer would divide by its own
+    share of the denominator).
+
+    forward(q [B,T,H,K], k, v [B,T,H,V], g [B,T,H] | None, s0 [B,H,K,K] | None, w0 [B,H,K,V] | None,
+    gamma, cfg, rate, launch) -> (o [B,T,H,V] in v's dtype, S_T, W_T fp32). The forward keeps the
+    blocks of q, k and K' (in q's dtype) and, for the backward, each block's chunk-start states.
+    The backward is not itself differentiable (it raises if asked)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, s0, w0, gamma, cfg, rate, launch):
+        ctx.set_materialize_grads(False)
+        keep = any(ctx.needs_input_grad[:6]) and cfg.keeps_states
+        s0t = transposed(s0)   # the inner layer's state is S^T: it reads q^T S
+        o, sT, wT, qs, ks, kps, cs_s, cs_w = key_block_layers_fwd(q, k, v, g, gamma, s0t, w0, cfg, rate, keep, launch)
+        final = (sT, wT) if g is not None and ctx.needs_input_grad[3] else (None, None)
+        ctx.n = len(qs)
+        ctx.save_for_backward(k, v, g, s0t, w0, *final, *qs, *ks, *kps, *(cs_s if keep else []), *(cs_w if keep else []))
+        ctx.keep, ctx.gamma, ctx.cfg, ctx.rate, ctx.launch = keep, gamma, cfg, rate, launch
+        return o, sT, wT
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do, dsT, dwT):
+        k, v, g, s0t, w0, sT, wT, *blocks = ctx.saved_tensors
+        n = ctx.n
+        qs, ks, kps = blocks[:n], blocks[n:2 * n], blocks[2 * n:3 * n]
+        cs_s, cs_w = (blocks[3 * n:4 * n], blocks[4 * n:]) if ctx.keep else (None, None)
+        want_dg = g is not None and ctx.needs_input_grad[3]
+        if do is None:
+            do = torch.zeros_like(v)
+        dq, dk, dv, ds0, dw0, db, _ = key_block_layers_bwd(qs, ks, k, v, kps, do, g, ctx.gamma, s0t, w0, cs_s, cs_w,
+                                                           dsT, dwT, ctx.cfg, ctx.rate, want_dg, ctx.launch)
+        dg = _layers_gate_grad(db, sT, dsT, wT, dwT, None, None, ctx.rate, g.dtype) if want_dg else None
+        return dq, dk, dv, dg, ds0, dw0, None, None, None, None
+
+
 class HLA2LayersFunction(torch.autograd.Function):
     """Autograd of HLA2 as two first-order layers (``ChunkConfig.layers``). With gated linear
     attention LA(Q, K, X; c g)_t = sum_{j <= t} exp(c (b_t - b_j)) (q_t . k_j) x_j, HLA2's weight
@@ -776,18 +916,24 @@ class HLA2LayersFunction(torch.autograd.Function):
             norm = (dd, cs_z, dzT, z0, ctx.eps)
         dq, dk, dv, ds0, dw0, db, dz0 = layers_bwd(q, k, v, kp, do, g, ctx.gamma, s0t, w0, cs_s, cs_w, dsT, dwT,
                                                    ctx.cfg, ctx.rate, want_dg, ctx.launch, norm=norm)
-        dg = None
-        if want_dg:
-            # S_T carries exp(b_T - b_i), W_T and z_T exp((1 + c) b_T - b_i - c b_j): their share of dL/db_T
-            c1 = 1.0 + ctx.rate
-            dg = log_gate_grad(db, ((sT, dsT, 1.0), (wT, dwT, c1), (zT, dzT, c1)), g.dtype)
+        dg = _layers_gate_grad(db, sT, dsT, wT, dwT, zT, dzT, ctx.rate, g.dtype) if want_dg else None
         return dq, dk, dv, dg, ds0, dw0, dz0, None, None, None, None, None, None
 
 
 def _layers_call(q, k, v, g, gamma, s0, w0, z0, normalize, eps, cfg, rate, launch):
     """HLA2 as first-order layers (:class:`HLA2LayersFunction`; normalized in the kernels, z beside
-    W). Returns as :func:`hla2_chunked`."""
+    W), in key blocks for keys wider than TILE_MAX (:class:`HLA2KeyBlockLayersFunction`; normalized
+    on [v | 1]). Returns as :func:`hla2_chunked`."""
     _check_rate(rate, normalize)
+    K, V = q.shape[-1], v.shape[-1]
+    if K > TILE_MAX and normalize:
+        # a block's layer would divide by its own share of the denominator: the blocks on [v | 1]
+        # (W beside z as its last column), the quotient at the end, as the feature-block pairs do
+        o, S, W = HLA2KeyBlockLayersFunction.apply(q, k, with_ones(v), g, s0, with_column(w0, z0), gamma, cfg, rate,
+                                                   launch)
+        return quotient(o, V, eps, v.dtype), S, W[..., :V], W[..., V]
+    if K > TILE_MAX:
+        return HLA2KeyBlockLayersFunction.apply(q, k, v, g, s0, w0, gamma, cfg, rate, launch) + (None,)
     return HLA2LayersFunction.apply(q, k, v, g, s0, w0, z0 if normalize else None, gamma, normalize, eps, cfg, rate,
                                     launch)
 
@@ -809,16 +955,14 @@ def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chu
     kernels at once (``compile_ahead``).
     Returns (o [B, T, H, V], S_T, W_T, z_T or None).
 
-    A head wider than TILE_MAX runs as the sum over feature-block pairs (a, b) of the cross
-    operator; the pair's state is S[a, b] and its share of W's rows a (W's rows a are the sum over
-    b). Normalized, the pairs run on [v | 1] and the quotient is taken at the end."""
+    A head wider than TILE_MAX runs as first-order layers in key blocks where the config says
+    ``layers`` (:func:`key_block_layers_fwd`), else as the sum over feature-block pairs (a, b) of
+    the cross operator; the pair's state is S[a, b] and its share of W's rows a (W's rows a are the
+    sum over b). Normalized, the pairs run on [v | 1] and the quotient is taken at the end."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if config is not None and config.layers:
         refuse_shared_walk(config, "hla2")
-        if K > TILE_MAX:
-            raise ValueError(f"config.layers needs a head of at most {TILE_MAX} key features (one feature block), "
-                             f"got K={K}")
     elif config is not None:
         refuse_ahla_fields(config, "hla2")
     if launch is None:
@@ -833,11 +977,11 @@ def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chu
                     normalize=normalize, training=training)
 
     training = autograd_records(q, k, v, g, s0, w0, z0)
+    cfg = cfg_for(K, V, hla2_config)
+    if cfg.layers:
+        return _layers_call(q, k, v, g, gamma, s0, w0, z0, normalize, eps, cfg, rate, launch)
     blocks = _feature_blocks(K)
     if len(blocks) == 1:
-        cfg = cfg_for(K, V, hla2_config)
-        if cfg.layers:
-            return _layers_call(q, k, v, g, gamma, s0, w0, z0, normalize, eps, cfg, rate, launch)
         return HLA2ChunkFunction.apply(q, k, None, None, v, g, s0, w0, z0, gamma, normalize, eps, cfg, rate, launch)
     if normalize:
         v, w0 = with_ones(v), with_column(w0, z0)
