@@ -3,7 +3,7 @@ process.
 
 The earlier package is extracted from git into a temporary folder and imported under another name,
 so both run on the same GPU, inputs and Triton. bf16, B=4, H=16, T=32768 (``--T``), gamma=0.999,
-K=V in {64, 128} (``--dims``), ``--gates`` (log-gates that require grad instead of gamma),
+K=V in {64, 128} (``--dims``; ``--V`` another value width), ``--gates`` (log-gates that require grad instead of gamma),
 ``--normalize`` (on |q| and |k|), ``--config`` (a change to this tree's configuration rule, to time a
 rule change before making it; for hla3 its second stage's); medians of triton.testing.do_bench (ms)
 of the whole call, forward under no_grad and forward + backward, the peak memory one forward + backward allocates beyond
@@ -123,6 +123,7 @@ def main():
                          "checkout without git history); default: extract it from git")
     ap.add_argument("--op", default="hla2", choices=("hla2", "ahla", "hla3"))
     ap.add_argument("--dims", default="64,128", help="comma list of K=V head sizes")
+    ap.add_argument("--V", type=int, default=None, help="value width of every row (default: V = K)")
     ap.add_argument("--T", type=int, default=32768)
     ap.add_argument("--gates", action="store_true",
                     help="per-token log-gates g = -0.001 * U[0, 1) (that require grad) instead of gamma")
@@ -142,8 +143,8 @@ def main():
     rows = []
     for D in (int(x) for x in args.dims.split(",")):
         gen = torch.Generator(device="cuda").manual_seed(D)
-        q, k, v = (0.3 * torch.randn(4, args.T, 16, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-                   for _ in range(3))
+        q, k, v = (0.3 * torch.randn(4, args.T, 16, n, device="cuda", dtype=torch.bfloat16, generator=gen)
+                   for n in (D, D, args.V or D))
         if args.normalize:
             q, k = q.abs(), k.abs()
         g = -0.001 * torch.rand(4, args.T, 16, device="cuda", generator=gen) if args.gates else None
@@ -156,7 +157,7 @@ def main():
                                         normalize=args.normalize)
             f, fb, mb, outs[label] = time_call(getattr(mod, args.op), q, k, v, do, g=g, normalize=args.normalize,
                                                config=cfg)
-            rows.append({"K": D, "code": label, "fwd_ms": f, "fwdbwd_ms": fb, "fwdbwd_peak_extra_mb": mb})
+            rows.append({"K": D, "V": args.V or D, "code": label, "fwd_ms": f, "fwdbwd_ms": fb, "fwdbwd_peak_extra_mb": mb})
             print(rows[-1], flush=True)
         rows[-1]["rel_diff_to_rev"] = {n: rel(a, b) for n, a, b in zip(("o", "dq", "dk", "dv", "dg"), outs["this tree"],
                                                                      outs[args.rev])}

@@ -553,11 +553,12 @@ def test_split_layouts_fit_hopper_shared_memory():
 
 @pytest.mark.skipif(not has_cuda_compiler(), reason="needs Triton's CUDA backend (compiler and ptxas)")
 def test_key_block_layers_fit_hopper_shared_memory():
-    """The rule's layouts for 256-wide bf16 heads, first-order layers in two key blocks of 128 whose
-    inner layer's values are all 256 features: every kernel of a training call and of an inference
-    forward, with gamma and with gates, fits an H200's shared memory by an sm_90 compile."""
-    cases = [dict(B=4, T=8192, H=16, K=256, V=256, dtype="bfloat16", forward_only=fwd, gates=gates, layers=True)
-             for fwd in (False, True) for gates in (False, True)]
+    """The rule's layouts for bf16 heads of 256 key features (values 256 or 128 wide), first-order
+    layers in two key blocks of 128 whose inner layer's values are all 256 keys: every kernel of a
+    training call and of an inference forward, with gamma and with gates, fits an H200's shared
+    memory by an sm_90 compile."""
+    cases = [dict(B=4, T=8192, H=16, K=256, V=V, dtype="bfloat16", forward_only=fwd, gates=gates, layers=True)
+             for V in (256, 128) for fwd in (False, True) for gates in (False, True)]
     shared = rule_kernels_shared("hla2", cases)
     names = {name for name, *_ in shared}
     assert names == {"ahla_fwd_kernel", "ahla_bwd_dh_kernel", "ahla_bwd_layer_kernel"}, names
@@ -600,16 +601,18 @@ def test_layers_rule(monkeypatch):
         assert not c.layers and c == chunk.fused_config(*args, cuda, **kw), (args, kw)
     assert hla_fast.hla2_config(4, 2048, 16, 128, 128, bf16, cuda, training=True).layers
     assert hla_fast.hla2_config(4, 2049, 16, 64, 64, bf16, cuda).layers
-    # 256-wide heads: the layers in two key blocks, in the layout of a 128-wide key tile (normalized
-    # too: on [v | 1], no NORM walk to take chunks of 64 for); fp32, or narrower values, the fused
-    # kernels' feature-block pairs
+    # keys wider than 128: the layers in two key blocks, in the layout of a 128-wide key tile
+    # (normalized too: on [v | 1], no NORM walk to take chunks of 64 for), values of any width; fp32
+    # the fused kernels' feature-block pairs
     for T in (2048, 8192):
         for training in (False, True):
-            for kw in ({}, {"normalize": True}, {"gated": True}):
-                c = hla_fast.hla2_config(4, T, 16, 256, 256, bf16, cuda, training=training, **kw)
-                assert c == chunk.layers_config(4, T, 16, 128, 256, bf16, cuda, training=training), (T, training, kw)
-    for args, kw in [((4, 8192, 16, 256, 256, torch.float32), {}), ((4, 8192, 16, 256, 64, bf16), {})]:
-        assert not hla_fast.hla2_config(*args, cuda, **kw).layers, (args, kw)
+            for K, V in ((256, 256), (256, 64), (200, 72)):
+                for kw in ({}, {"normalize": True}, {"gated": True}):
+                    c = hla_fast.hla2_config(4, T, 16, K, V, bf16, cuda, training=training, **kw)
+                    width = max(b - a for a, b in chunk.key_blocks(K))
+                    assert c == chunk.layers_config(4, T, 16, width, V, bf16, cuda, training=training), (T, K, V, kw)
+    for args in [(4, 8192, 16, 256, 256, torch.float32), (4, 8192, 16, 256, 64, torch.float16)]:
+        assert not hla_fast.hla2_config(*args, cuda).layers, args
     for rule in (hla_fast.hla2_config, chunk.layers_config, chunk.fused_config, hla_fast.ahla_config):
         rule.cache_clear()   # nothing the rule cached while it saw a GPU stays
 

@@ -128,7 +128,8 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
 def takes_layers(T: int, K: int, V: int, dtype: torch.dtype, normalize: bool, training: bool) -> bool:
     """Whether the rule runs a call as first-order layers (``ChunkConfig.layers``): bf16, key and
     value tiles of one width, 64 or 128 (the heads measured), over more than SHORT_CHUNKS chunks of
-    64, or training 128-wide heads at any length, or 256 at any length; not ``normalize``: a stage whose values carry a
+    64, or training 128-wide heads at any length; keys wider than 128 (key blocks) at any length and
+    with values of any width; not ``normalize``: a stage whose values carry a
     column of ones (HLA3's normalized second stage, V + 1 values; HLA2's own normalized calls carry
     z beside W instead and ask without it, :func:`hla2_config`). Timed in one process
     against the fused kernels' rule (bf16, B = 4, H = 16, forward / forward + backward, ms;
@@ -143,19 +144,25 @@ def takes_layers(T: int, K: int, V: int, dtype: torch.dtype, normalize: bool, tr
       keeps the fused kernels, which carry the ones column as z beside W;
     * T = 2048: K = V = 64 0.16 -> 0.94 and 0.72 -> 1.70 (the fused rule's short layout: one
       segment, three launches), K = V = 128 0.38 -> 0.47 and 1.75 -> 1.37;
-    * heads of 129 to 256 key features (key and value tiles of 256), at any length: the layers in
-      key blocks of at most 128 (:func:`key_block_layers_fwd`) against the fused kernels' 16
-      feature-block pairs, K = V = 256 (``--dims 256 --rev 2cce163``, ``--T 8192 [--gates]``,
+    * heads of 129 to 256 key features, at any length: the layers in key blocks of at most 128
+      (:func:`key_block_layers_fwd`) against the fused kernels' 16 feature-block pairs, K = V = 256
+      (``--dims 256 --rev 2cce163``, ``--T 8192 [--gates]``,
       ``--T 2048``; ``hla2_h200_ab_key_block_layers_{8k,8k_gates,2k}.json``): T = 8192 25.1 -> 3.61
       and 159.6 -> 10.2, gated 26.7 -> 4.68 and 189.5 -> 11.7; T = 2048 6.59 -> 1.02 and
       57.2 -> 2.67; the training peak beyond the inputs 3.49 -> 5.37 GB at T = 8192 (the blocks
       of q, k and K' and each block's chunk states are kept). Normalized, the blocks' outer layers
       run on [v | 1] (:func:`_layers_call`): T = 8192 41.4 -> 6.41 and 246.0 -> 20.5
-      (``--normalize``, ``hla2_h200_ab_key_block_layers_8k_normalize.json``)."""
+      (``--normalize``, ``hla2_h200_ab_key_block_layers_8k_normalize.json``). Narrower values
+      (``--V 128``, ``--V 64``; ``hla2_h200_ab_key_block_layers_8k_v{128,64}.json``): K = 256,
+      T = 8192, V = 128 16.0 -> 2.91 and 85.5 -> 8.80; V = 64 9.00 -> 2.96 and 37.1 -> 8.37."""
     BK, BV = pow2_block(K), pow2_block(V)
-    if dtype != torch.bfloat16 or normalize or BK != BV or BK not in (64, 128, 2 * TILE_MAX):
+    if dtype != torch.bfloat16 or normalize:
         return False
-    return cdiv(T, DEFAULT_CHUNK) > SHORT_CHUNKS or (training and BK == 128) or BK > TILE_MAX
+    if BK > TILE_MAX:   # key blocks, whatever the values' width
+        return True
+    if BK != BV or BK not in (64, 128):
+        return False
+    return cdiv(T, DEFAULT_CHUNK) > SHORT_CHUNKS or (training and BK == 128)
 
 
 @functools.lru_cache(maxsize=4096)
