@@ -151,7 +151,7 @@ def takes_layers(T: int, K: int, V: int, dtype: torch.dtype, normalize: bool, tr
       and 159.6 -> 10.2, gated 26.7 -> 4.68 and 189.5 -> 11.7; T = 2048 6.59 -> 1.02 and
       57.2 -> 2.67; the training peak beyond the inputs 3.49 -> 5.37 GB at T = 8192 (the blocks
       of q, k and K' and each block's chunk states are kept). Normalized, the blocks' outer layers
-      run on [v | 1] (:func:`_layers_call`): T = 8192 41.4 -> 6.41 and 246.0 -> 20.5
+      run on [v | 1] (:func:`hla2_chunked`): T = 8192 41.4 -> 6.41 and 246.0 -> 20.5
       (``--normalize``, ``hla2_h200_ab_key_block_layers_8k_normalize.json``). Narrower values
       (``--V 128``, ``--V 64``; ``hla2_h200_ab_key_block_layers_8k_v{128,64}.json``): K = 256,
       T = 8192, V = 128 16.0 -> 2.91 and 85.5 -> 8.80; V = 64 9.00 -> 2.96 and 37.1 -> 8.37."""
@@ -695,6 +695,12 @@ def outer_layer_fwd(q, kp, v, g, gamma, w0, cfg: ChunkConfig, rate, keep, launch
     return layer_fwd(q, kp, v, g_out, gamma_out, w0, cfg, keep_states=keep, launch=launch)
 
 
+def recompute_layout(cfg: ChunkConfig) -> ChunkConfig:
+    """The layout in which a layers' backward recomputes the chunk-start states its forward did not
+    keep: the forward walk at the backward's chunk and warps, one pipeline stage."""
+    return cfg.replace(fwd_chunk=cfg.bwd_chunk, fwd_warps=cfg.bwd_warps, fwd_stages=1)
+
+
 def layers_bwd(q, k, v, kp, do, g, gamma, s0t, w0, cs_s, cs_w, dsT, dwT, cfg: ChunkConfig, rate, want_db, launch,
                norm=None):
     """The backward of :func:`layers_fwd`: its inputs, K' and its kept states (or None: both
@@ -714,7 +720,7 @@ def layers_bwd(q, k, v, kp, do, g, gamma, s0t, w0, cs_s, cs_w, dsT, dwT, cfg: Ch
     dd, cs_z, dzT, z0, eps = (None,) * 5 if norm is None else norm
     if cs_s is None:
         # the forward kept no states (or walked other chunks): both layers' at the backward's chunk
-        again = cfg.replace(fwd_chunk=cfg.bwd_chunk, fwd_warps=cfg.bwd_warps, fwd_stages=1)
+        again = recompute_layout(cfg)
         cs_s = layer_fwd(q, k, k, g, gamma, s0t, again, keep_states=True, launch=launch)[2]
         if norm is None:
             cs_w = layer_fwd(q, kp, v, g_out, gamma_out, w0, again, keep_states=True, launch=launch)[2]
@@ -794,7 +800,7 @@ def key_block_layers_bwd(qs, ks, k, v, kps, do, g, gamma, s0t, w0, cs_s, cs_w, d
     g_out, gamma_out = outer_decay(g, gamma, rate)
     if cs_s is None:
         # the forward kept no states (or walked other chunks): both layers' at the backward's chunk
-        again = cfg.replace(fwd_chunk=cfg.bwd_chunk, fwd_warps=cfg.bwd_warps, fwd_stages=1)
+        again = recompute_layout(cfg)
         cs_s = [layer_fwd(qb, kb, k, g, gamma, _rows(s0t, b0, b1), again, keep_states=True, launch=launch)[2]
                 for qb, kb, (b0, b1) in zip(qs, ks, blocks)]
         cs_w = [layer_fwd(qa, kpa, v, g_out, gamma_out, _rows(w0, a0, a1), again, keep_states=True, launch=launch)[2]
@@ -828,7 +834,7 @@ def _layers_gate_grad(db, sT, dsT, wT, dwT, zT, dzT, rate, dtype):
 class HLA2KeyBlockLayersFunction(torch.autograd.Function):
     """Autograd of HLA2 as first-order layers for keys wider than TILE_MAX, in key blocks
     (:func:`key_block_layers_fwd`, :func:`key_block_layers_bwd`); unnormalized (a normalized call
-    runs it on [v | 1] and divides, :func:`_layers_call`: a block's layer would divide by its own
+    runs it on [v | 1] and divides, :func:`hla2_chunked`: a block's layer would divide by its own
     share of the denominator).
 
     forward(q [B,T,H,K], k, v [B,T,H,V], g [B,T,H] | None, s0 [B,H,K,K] | None, w0 [B,H,K,V] | None,
@@ -930,18 +936,8 @@ class HLA2LayersFunction(torch.autograd.Function):
 
 def _layers_call(q, k, v, g, gamma, s0, w0, z0, normalize, eps, cfg, rate, launch):
     """HLA2 as first-order layers (:class:`HLA2LayersFunction`; normalized in the kernels, z beside
-    W), in key blocks for keys wider than TILE_MAX (:class:`HLA2KeyBlockLayersFunction`; normalized
-    on [v | 1]). Returns as :func:`hla2_chunked`."""
+    W), for keys of at most TILE_MAX. Returns as :func:`hla2_chunked`."""
     _check_rate(rate, normalize)
-    K, V = q.shape[-1], v.shape[-1]
-    if K > TILE_MAX and normalize:
-        # a block's layer would divide by its own share of the denominator: the blocks on [v | 1]
-        # (W beside z as its last column), the quotient at the end, as the feature-block pairs do
-        o, S, W = HLA2KeyBlockLayersFunction.apply(q, k, with_ones(v), g, s0, with_column(w0, z0), gamma, cfg, rate,
-                                                   launch)
-        return quotient(o, V, eps, v.dtype), S, W[..., :V], W[..., V]
-    if K > TILE_MAX:
-        return HLA2KeyBlockLayersFunction.apply(q, k, v, g, s0, w0, gamma, cfg, rate, launch) + (None,)
     return HLA2LayersFunction.apply(q, k, v, g, s0, w0, z0 if normalize else None, gamma, normalize, eps, cfg, rate,
                                     launch)
 
@@ -966,7 +962,7 @@ def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chu
     A head wider than TILE_MAX runs as first-order layers in key blocks where the config says
     ``layers`` (:func:`key_block_layers_fwd`), else as the sum over feature-block pairs (a, b) of
     the cross operator; the pair's state is S[a, b] and its share of W's rows a (W's rows a are the
-    sum over b). Normalized, the pairs run on [v | 1] and the quotient is taken at the end."""
+    sum over b). Normalized, either runs on [v | 1] and the quotient is taken at the end."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if config is not None and config.layers:
@@ -986,13 +982,30 @@ def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chu
 
     training = autograd_records(q, k, v, g, s0, w0, z0)
     cfg = cfg_for(K, V, hla2_config)
-    if cfg.layers:
-        return _layers_call(q, k, v, g, gamma, s0, w0, z0, normalize, eps, cfg, rate, launch)
-    blocks = _feature_blocks(K)
-    if len(blocks) == 1:
+    if K <= TILE_MAX:
+        if cfg.layers:
+            return _layers_call(q, k, v, g, gamma, s0, w0, z0, normalize, eps, cfg, rate, launch)
         return HLA2ChunkFunction.apply(q, k, None, None, v, g, s0, w0, z0, gamma, normalize, eps, cfg, rate, launch)
+    # a wider head, in key blocks or feature-block pairs, neither of which can divide by its share
+    # of the denominator: normalized, it runs on [v | 1] (W beside z as its last column) and divides last
     if normalize:
         v, w0 = with_ones(v), with_column(w0, z0)
+    if cfg.layers:
+        _check_rate(rate, normalize)
+        o, S, W = HLA2KeyBlockLayersFunction.apply(q, k, v, g, s0, w0, gamma, cfg, rate, launch)
+    else:
+        o, S, W = _feature_block_pairs(q, k, v, g, gamma, s0, w0, rate, cfg_for, launch)
+    if not normalize:
+        return o.to(v.dtype), S, W, None
+    return quotient(o, V, eps, v.dtype), S, W[..., :V], W[..., V]
+
+
+def _feature_block_pairs(q, k, v, g, gamma, s0, w0, rate, cfg_for, launch):
+    """A head wider than TILE_MAX as the sum over feature-block pairs (a, b) of the cross operator
+    (:func:`hla2_chunked`; ``cfg_for(width, V)`` the config of a pair of that width). Returns (o fp32
+    [B, T, H, V], S_T, W_T)."""
+    B, _, H, K = q.shape
+    blocks = _feature_blocks(K)
     qs = [q[..., a0:a1].contiguous() for a0, a1 in blocks]
     ks = [k[..., a0:a1].contiguous() for a0, a1 in blocks]
     o, s_rows, w_rows = None, [], []
@@ -1013,7 +1026,4 @@ def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chu
             w_row = w_ab if w_row is None else w_row + w_ab
         s_rows.append(torch.cat(s_row, -1))
         w_rows.append(w_row)
-    S, W = torch.cat(s_rows, -2), torch.cat(w_rows, -2)
-    if not normalize:
-        return o.to(v.dtype), S, W, None
-    return quotient(o, V, eps, v.dtype), S, W[..., :V], W[..., V]
+    return o, torch.cat(s_rows, -2), torch.cat(w_rows, -2)
