@@ -182,9 +182,11 @@ def hopper_compile(kernel, kw):
 
     args = dict(kw)
     options = dict(num_warps=args.pop("num_warps", 4), num_stages=args.pop("num_stages", 3))
-    for name, rule in kernel.values.items():   # the triton.heuristics of the kernel
-        args[name] = rule(args)
-    fn = kernel.fn
+    fn = kernel
+    if isinstance(kernel, triton.runtime.Heuristics):   # the kernel's triton.heuristics, applied
+        for name, rule in kernel.values.items():
+            args[name] = rule(args)
+        fn = kernel.fn
     loose = set(getattr(fn, "do_not_specialize", None) or ())
     sig, consts, attrs = {}, {}, {}
     for i, p in enumerate(fn.params):

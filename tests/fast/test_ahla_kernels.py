@@ -211,6 +211,39 @@ def test_strong_gates_underflow_to_zero_not_nan(device, poison):
     assert all(torch.isfinite(x).all() for x in grads)
 
 
+@pytest.mark.parametrize("T,H,chunk,scale", [(45, 2, 16, 1.0), (1, 3, 16, 2.0), (64, 5, 32, 3.0), (129, 16, 64, 1.0)])
+def test_chunk_sums_are_the_chunk_local_cumsum(T, H, chunk, scale, device, poison):
+    """``common.cumsum.chunk_sums``, the gate sums every first-order walk reads: the cumulative sum
+    of scale * g inside each chunk, head-major and padded to whole chunks with the chunk's last sum
+    (``gates.chunk_local_cumsum``, in float64), to the fp32 rounding of a chunk's partial sums."""
+    from hla_fast.ops.common.cumsum import chunk_sums
+    from hla_fast.ops.common.gates import chunk_local_cumsum
+
+    g = rand_gates(2, T, H, seed=T + H, strength=3.0, device=device)
+    got = chunk_sums(g, chunk, scale=scale)
+    want = chunk_local_cumsum(scale * g.double().cpu(), chunk).reshape(2 * H, -1)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert torch.allclose(got.double().cpu(), want, rtol=chunk * 2.0 ** -24, atol=0)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_walks_read_the_gate_sums_ahead_or_in_step(stages, device, poison):
+    """The forward walk and its segment summaries read each next chunk's gate sums a step ahead
+    when the compiler does not pipeline their loads (num_stages 1: ``tiles.walk_factors``' AHEAD)
+    and in the step otherwise. Both give the index sums, over segments and a ragged last chunk,
+    and with strong gates (-30 every third token: decays underflow in fp32, nothing overflows)."""
+    q, k, v, g = _inputs(device, T=45, seed=31)
+    strong = g.clone()
+    strong[:, ::3] = -30.0
+    cfg = _cfg().replace(fwd_segments=3, fwd_stages=stages)
+    for gates in (g, strong):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, gates)]
+        o, _ = hla_fast.ahla(*leaves[:3], g=leaves[3], backend="triton", config=cfg)
+        assert rel(o, brute_ahla(q, k, v, g=gates)) < TOL
+        grads = torch.autograd.grad(o.square().sum(), leaves)
+        assert all(torch.isfinite(x).all() for x in grads)
+
+
 def test_wide_head(device, poison):
     """K = 130 (a 256-wide key tile), V = 20."""
     q, k, v, g = _inputs(device, T=20, K=130, V=20, seed=15)
@@ -357,7 +390,7 @@ for K, V, dtype, normalize, ones in json.loads(sys.argv[1]):
     snap_dtype = launch.snapshot_dtype(cfg, dtype)
     snap = "*bf16" if snap_dtype == torch.bfloat16 else "*fp32"
     dst = "*bf16" if chunk._dstate_dtype(snap_dtype, BK) == torch.bfloat16 else "*fp32"
-    types = dict(q=el, k=el, v=el, do=el, dq=el, dk=el, dv=el, g="*fp32", db="*fp32", cs_p=snap, cs_e=snap,
+    types = dict(q=el, k=el, v=el, do=el, dq=el, dk=el, dv=el, gc="*fp32", db="*fp32", cs_p=snap, cs_e=snap,
                  dp_end=dst, de_end=dst, log_gamma="fp32", T="i32", C0="i32", NP="i32",
                  x=el, dy=el, h0=snap, dh_end=dst, dx=el, dq_in=el, dk_in=el, dd="*fp32", z0="*fp32", dz_end="*fp32")
     consts = dict(H=2, K=K, V=Vn, BT=cfg.bwd_chunk, BK=BK, BV=BV, HAS_DECAY=True, IS_BF16=launch.bf16_dots(dtype),

@@ -555,13 +555,13 @@ def test_split_layouts_fit_hopper_shared_memory():
 def test_key_block_layers_fit_hopper_shared_memory():
     """The rule's layouts for bf16 heads of 256 key features (values 256 or 128 wide), first-order
     layers in two key blocks of 128 whose inner layer's values are all 256 keys: every kernel of a
-    training call and of an inference forward, with gamma and with gates, fits an H200's shared
-    memory by an sm_90 compile."""
+    training call and of an inference forward, with gamma and with gates (whose walks read the
+    gates' chunk sums, ``chunk_sums_kernel``), fits an H200's shared memory by an sm_90 compile."""
     cases = [dict(B=4, T=8192, H=16, K=256, V=V, dtype="bfloat16", forward_only=fwd, gates=gates, layers=True)
              for V in (256, 128) for fwd in (False, True) for gates in (False, True)]
     shared = rule_kernels_shared("hla2", cases)
     names = {name for name, *_ in shared}
-    assert names == {"ahla_fwd_kernel", "ahla_bwd_dh_kernel", "ahla_bwd_layer_kernel"}, names
+    assert names == {"ahla_fwd_kernel", "ahla_bwd_dh_kernel", "ahla_bwd_layer_kernel", "chunk_sums_kernel"}, names
     assert all("layers=True" in cfg for _, _, cfg in shared)
     for name, nbytes, cfg in shared:
         assert nbytes <= HOPPER_SHARED, (name, cfg, nbytes)

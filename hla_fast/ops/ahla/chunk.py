@@ -23,6 +23,9 @@ A walk carries one state's gradient, not two coupled ones, so it splits over key
 With ``config.fwd_prefetch`` / ``config.bwd_prefetch`` the forward's / backward's walks load each
 next chunk's tiles while computing the current one (PREFETCH in ``chunk_kernels.py``).
 
+Gates: every launcher first writes the log-gates' chunk-local sums at its chunk size
+(``common.cumsum.chunk_sums``), which its kernels read.
+
 Normalization: the forward carries the denominator's state (p, e) beside (P, E) and divides
 in-kernel. The backward differentiates the unnormalized operator on the value [v | 1] with the
 output gradient [do / (den + eps) | -(do . o) / (den + eps)] (the denominator is the operator
@@ -44,6 +47,7 @@ from torch.autograd.function import once_differentiable
 
 from ..common.compile import compile_ahead, launch_kernel
 from ..common.config import DEFAULT_CHUNK, ChunkConfig, refuse_layers, refuse_split_forward
+from ..common.cumsum import chunk_sums
 from ..common.gates import log_gamma, log_gate_grad
 from ..common.normalize import with_column, with_ones
 from ..common.launch import (
@@ -281,7 +285,8 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
     NS, nseg = split_segments(NT, segments)
     flags, lg = _common(q, gamma, g)
     kw = dict(H=H, K=K, V=V, BT=chunk, BK=BK, BV=BV, num_warps=warps, num_stages=stages, **flags)
-    walk = dict(kw, PREFETCH=prefetch, SCALE_ROWS=chunk >= SCALE_ROWS_MIN_CHUNK, V2=V2, BV2=BV2)
+    # walks whose loads the compiler does not pipeline read each next chunk's gate sums a step ahead
+    walk = dict(kw, PREFETCH=prefetch, SCALE_ROWS=chunk >= SCALE_ROWS_MIN_CHUNK, V2=V2, BV2=BV2, SUMS_AHEAD=stages == 1)
     if normalize and p0 is not None:
         pn0 = torch.zeros(B, H, K, device=dev, dtype=f32) if pn0 is None else pn0
         en0 = (torch.zeros(B, H, K, device=dev, dtype=f32) if en0 is None else en0) if second else None
@@ -291,6 +296,7 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
         p0 = torch.zeros(B, H, K, V, device=dev, dtype=f32) if p0 is None else p0
         p20 = torch.zeros(B, H, K, V2, device=dev, dtype=f32) if p20 is None else p20
     h0, h02 = (p0, e0, pn0, en0), p20
+    gc = None if g is None else chunk_sums(g, chunk, launch=launch)   # the walks read beta (common.cumsum)
     if nseg > 1:
         # -- the summaries from a zero state of every segment but the last (no start state follows
         #    it), then every segment's start state ---------------------------------------------------
@@ -305,7 +311,7 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
                     sum_r=kv(K, ns) if second else None,
                     sum_lr=torch.empty(BH * ns, device=dev, dtype=f32))
         sum_p2 = kv(V2, ns) if V2 else None
-        launch(ahla_fwd_summary_kernel, (NV, ns, BH), q=q, k=k, v=v, g=g, v2=v2, sum_p2=sum_p2, **sums,
+        launch(ahla_fwd_summary_kernel, (NV, ns, BH), q=q, k=k, v=v, gc=gc, v2=v2, sum_p2=sum_p2, **sums,
                log_gamma=lg, T=T, NS=NS, **walk)
         seg = (kv(), kv() if second else None, kvec(), kvec(carried=second))
         fold = dict(NSEG=nseg, K=K, BK=BK, PREC=flags["PREC"], num_warps=warps)
@@ -340,7 +346,7 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
         out2 = (torch.empty_like(v2), torch.empty(B, H, K, V2, device=dev, dtype=f32) if store_final else None,
                 None if cs is None else torch.empty(BH, NT, K, V2, device=dev, dtype=snapshots))
     launch(ahla_fwd_kernel, (NV, nseg, BH),
-        q=q, k=k, v=v, g=g, o=o, den=den, h0_p=h0[0], h0_e=h0[1], h0_pn=h0[2], h0_en=h0[3],
+        q=q, k=k, v=v, gc=gc, o=o, den=den, h0_p=h0[0], h0_e=h0[1], h0_pn=h0[2], h0_en=h0[3],
         ht_p=ht[0], ht_e=ht[1], ht_pn=ht[2], ht_en=ht[3],
         cs_p=None if cs is None else cs[0], cs_e=None if cs is None else cs[1], cs_pn=None if cs is None else cs[3],
         r=r,
@@ -376,6 +382,7 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
     cs_p, cs_e = states[:2]
     flags, lg = _common(q, gamma, g)
     common = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, num_warps=nw, num_stages=cfg.bwd_stages, **flags)
+    gc = None if g is None else chunk_sums(g, BT, launch=launch)   # every kernel below reads beta
     has_dht = dht_p is not None or dht_e is not None
     if has_dht:
         dht_p = torch.zeros(B, H, K, V, device=dev, dtype=f32) if dht_p is None else dht_p.float().contiguous()
@@ -392,7 +399,7 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
                     sum_de=torch.empty(BH * ns, K, V, device=dev, dtype=f32),
                     sum_rt=torch.empty(BH * ns, K, K, device=dev, dtype=f32),
                     sum_lr=torch.empty(BH * ns, device=dev, dtype=f32))
-        launch(ahla_bwd_summary_kernel, (NV, ns, BH), q=q, k=k, do=do, g=g, **sums, log_gamma=lg, T=T, NS=NS,
+        launch(ahla_bwd_summary_kernel, (NV, ns, BH), q=q, k=k, do=do, gc=gc, **sums, log_gamma=lg, T=T, NS=NS,
                PREFETCH=cfg.bwd_prefetch, **common)
         de = (torch.empty(BH * nseg, K, V, device=dev, dtype=f32), torch.empty(BH * nseg, K, V, device=dev, dtype=f32))
         launch(ahla_bwd_fold_kernel, (NV, BH),
@@ -413,12 +420,12 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
 
     def step(c0, n, end_grad, start_grad):
         launch(ahla_bwd_state_kernel, (NV, nseg, BH),
-            q=q, k=k, do=do, g=g, dp_end=dp_end, de_end=de_end, de_p=end_grad[0], de_e=end_grad[1],
+            q=q, k=k, do=do, gc=gc, dp_end=dp_end, de_end=de_end, de_p=end_grad[0], de_e=end_grad[1],
             dh0_p=start_grad[0], dh0_e=start_grad[1], log_gamma=lg, T=T, NS=NS, C0=c0, NP=NP,
             PREFETCH=cfg.bwd_prefetch, **common)
         for i, parts in enumerate(cfg.grad_parts):
             launch(ahla_bwd_grad_kernel, (n, BH),
-                q=q, k=k, v=v, do=do, g=g, dq=dq, dk=dk, dv=dv, db=None if db is None else db[i], cs_p=cs_p,
+                q=q, k=k, v=v, do=do, gc=gc, dq=dq, dk=dk, dv=dv, db=None if db is None else db[i], cs_p=cs_p,
                 cs_e=cs_e, dp_end=dp_end, de_end=de_end, log_gamma=lg, T=T, C0=c0, NP=NP, PARTS=parts,
                 KEYS_PER_BLOCK=grad_keys_per_block(NV, BK, q.dtype), **dict(common, PREC=grad_precision(q.dtype)))
 
@@ -498,10 +505,11 @@ def _layer_bwd(q, k, x, dy, g, gamma, h0, dht, want_dh0, cfg: ChunkConfig, norm,
         dz_end = torch.empty(BH, NT, K, device=dev, dtype=f32)
         dz0 = torch.empty(B, H, K, device=dev, dtype=f32) if want_dh0 else None
         dzt = None if dzt is None else dzt.float().contiguous()
-    launch(ahla_bwd_dh_kernel, (cdiv(V, BV), cdiv(K, BKW), BH), q=q, dy=dy, g=g, dh_end=dh_end, dht=dht, dh0=dh0,
+    gc = None if g is None else chunk_sums(g, BT, launch=launch)   # both kernels read beta (common.cumsum)
+    launch(ahla_bwd_dh_kernel, (cdiv(V, BV), cdiv(K, BKW), BH), q=q, dy=dy, gc=gc, dh_end=dh_end, dht=dht, dh0=dh0,
            dd=dd, dz_end=dz_end, dzt=dzt, dz0=dz0, log_gamma=lg, T=T, BK=BKW, num_warps=DH_WARPS,
            num_stages=DH_STAGES, **kw)
-    launch(ahla_bwd_layer_kernel, (NT, BH), q=q, k=k, x=x, dy=dy, g=g, h0=h0, dh_end=dh_end, dd=dd, z0=z0,
+    launch(ahla_bwd_layer_kernel, (NT, BH), q=q, k=k, x=x, dy=dy, gc=gc, h0=h0, dh_end=dh_end, dd=dd, z0=z0,
            dz_end=dz_end, dx=dx, dq=dq, dk=dk, dq_in=dq_in, dk_in=dk_in, db=db, log_gamma=lg, T=T, DB_OWN=db_own,
            DX_TO_DK=x_is_k, BK=BK, num_warps=nw, num_stages=LAYER_STAGES, **kw)
     return dx, dq, dk, dh0, dz0, db

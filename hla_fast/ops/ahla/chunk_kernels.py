@@ -19,7 +19,7 @@ and the state after token t is P_t = sum_{j <= t} exp(b_t - b_j) k_j v_j^T (so R
 E_t = sum_{i <= t} exp(b_t - b_i) k_i R_i^T (so o_t = q_t^T E_t).
 
 Chunk form. One chunk of C = BT rows Q, K, V (local row r), the state (P0, E0) after the previous
-chunk, beta_r = b_r - b_{start - 1} (<= 0, the chunk-local cumulative sum of g, ``chunk_beta``),
+chunk, beta_r = b_r - b_{start - 1} (<= 0, the chunk-local cumulative sum of g, ``common.cumsum``),
 G[r, c] = exp(beta_r - beta_c) for c <= r else 0, g1[r] = exp(beta_r), gl[r] = exp(beta_L - beta_r)
 (0 on padded rows), gC = exp(beta_L). Splitting each sum into the part before the chunk and the
 part inside it, with A = (Q K^T) o G and Kg = diag(gl) K:
@@ -90,6 +90,13 @@ tiles of Q and K and its A: the walk then carries a second state P2 = sum_j exp(
 P2 <- gC P2_0 + Kg^T V2 being E's lines with V2 in R's place; the segment summaries carry P2 too and
 the fold runs once more on them (P2 folds as P does).
 
+Gate sums. The forward walk, its segment summaries and the layers' backward kernels
+(``ahla_bwd_dh_kernel``, ``ahla_bwd_layer_kernel``) read beta as loads from the log-gates'
+chunk-local sums that their launcher computes first (``gc``, ``common.cumsum``;
+``tiles.summed_beta``), the walks of one pipeline stage a chunk ahead (``tiles.walk_factors``):
+no scan, reduction or layout shuffle of beta on a walk's path (hla_fast/README.md, "Per-token
+gates: the chunk sums, read from memory"). So do the coupled backward's kernels.
+
 Masks are applied by selection (``tl.where``), not by multiplying with 0. The matrix products still
 multiply: a non-finite q or k at row r makes R's row r non-finite, and A R then reaches every row
 of the chunk (0 times a non-finite number); earlier chunks are untouched.
@@ -100,8 +107,8 @@ import triton
 import triton.language as tl
 
 from ..common.tiles import (
-    cast, chunk_beta, chunk_decays, chunk_decays_t, chunk_factors, dot, load_cols, load_mat, load_mat_t, load_rows, load_vec,
-    mat_or_zeros, read_cols, read_rows, store_mat, vec_or_zeros,
+    cast, chunk_decays_t, decays_with_total, dot, first_walk_sums, load_cols, load_mat, load_mat_t, load_rows,
+    load_vec, mat_or_zeros, read_cols, read_rows, store_mat, summed_beta, vec_or_zeros, walk_factors,
 )
 
 
@@ -232,7 +239,7 @@ def _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM: tl.constexpr, 
 
 
 @triton.heuristics({
-    "HAS_G": lambda a: a["g"] is not None,
+    "HAS_G": lambda a: a["gc"] is not None,
     "HAS_INIT": lambda a: a["h0_p"] is not None,
     "HAS_O": lambda a: a["o"] is not None,
     "SAVE_STATES": lambda a: a["cs_p"] is not None,
@@ -245,7 +252,8 @@ def _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM: tl.constexpr, 
 })
 @triton.jit
 def ahla_fwd_kernel(
-    q, k, v, g,              # q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] or None
+    q, k, v, gc,             # q, k: [B, T, H, K]; v: [B, T, H, V]; gc: the log-gates' chunk-local sums at BT,
+                             #   fp32 [B*H, NT*BT] (``common.cumsum``), or None
     v2, r2, h0_p2, ht_p2, cs_p2,  # HAS_V2: second values [B, T, H, V2]; out: R2 = LA(q, k, v2); P2's start
                              #   state per segment [B*H*NSEG, K, V2] (None: zero), final state [B*H, K, V2],
                              #   snapshots [B*H, NT, K, V2] (each None when not asked for); all None without
@@ -264,7 +272,7 @@ def ahla_fwd_kernel(
     HAS_G: tl.constexpr, HAS_INIT: tl.constexpr, HAS_O: tl.constexpr, SAVE_STATES: tl.constexpr,
     STORE_R: tl.constexpr, STORE_FINAL: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr,
     SCALE_ROWS: tl.constexpr, HAS_E: tl.constexpr, V2: tl.constexpr, BV2: tl.constexpr, HAS_V2: tl.constexpr,
-    SAVE_PN: tl.constexpr,
+    SAVE_PN: tl.constexpr, SUMS_AHEAD: tl.constexpr,   # read each next chunk's gate sums a step ahead
 ):
     """One program per (value block, segment, batch*head) walks its segment's chunks in order,
     keeping its columns of P and E (and all of p, e when NORM) in fp32 registers: outputs (HAS_O,
@@ -313,6 +321,8 @@ def ahla_fwd_kernel(
     n_q, n_kt, n_v = _first_loads(q, k, v, off_k, off_v, lo * BT + rt, lo * BT + rt < end, rk, mk, rv, mv, H, K, V,
                                   True, PREFETCH)
     n_v2 = _first_values2(v2, off_v2, lo * BT + rt, lo * BT + rt < end, rv2, mv2, H, V2, HAS_V2, PREFETCH)
+    off_gc = i_bh.to(tl.int64) * NT * BT                 # the head's chunk-local sums (HAS_G)
+    n_beta, n_bL = first_walk_sums(gc, off_gc, lo * BT, BT, HAS_G, SUMS_AHEAD)
     for i_c in range(lo, hi):
         t = i_c * BT + rt
         mt = t < T
@@ -321,7 +331,9 @@ def ahla_fwd_kernel(
                                                      rk, mk, rv, mv, H, K, V, True, IS_BF16, PREFETCH)
         b_v2, n_v2 = _step_values2(v2, n_v2, off_v2, t, mt, t + BT, t + BT < end, rv2, mv2, H, V2, IS_BF16, HAS_V2,
                                    PREFETCH)
-        G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY, HOIST=True)
+        G, g1, g2, gl, gC, bL, n_beta, n_bL = walk_factors(
+            gc, off_gc, n_beta, n_bL, i_c * BT, i_c * BT + BT, lo * BT, hi * BT, log_gamma, mt, BT, HAS_G, HAS_DECAY,
+            SUMS_AHEAD)
         if SAVE_STATES:   # the chunk's start state (p's with SAVE_PN, which comes without HAS_E: no e)
             i_cs = i_bh.to(tl.int64) * NT + i_c
             _store_start(cs_p, cs_e, cs_pn, None, i_cs, P, E, pn, en, i_v, rk, mk, rv, mv, K, V, SAVE_PN, HAS_E)
@@ -376,14 +388,14 @@ def ahla_fwd_kernel(
 
 
 @triton.heuristics({
-    "HAS_G": lambda a: a["g"] is not None,
+    "HAS_G": lambda a: a["gc"] is not None,
     "NORM": lambda a: a["sum_pn"] is not None,
     "HAS_E": lambda a: a["sum_e"] is not None,
     "HAS_V2": lambda a: a["v2"] is not None,
 })
 @triton.jit
 def ahla_fwd_summary_kernel(
-    q, k, v, g, v2,              # as in ahla_fwd_kernel
+    q, k, v, gc, v2,             # as in ahla_fwd_kernel
     sum_p2,                      # out (HAS_V2): P2's summary [B*H*NSEG, K, V2]; or None
     sum_p, sum_e, sum_pn, sum_en,  # out: each segment's end state from a zero start, fp32
                                  #      [B*H*NSEG, K, V] x 2, [.., K] x 2 (NORM, else None);
@@ -394,7 +406,7 @@ def ahla_fwd_summary_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
     HAS_G: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr, SCALE_ROWS: tl.constexpr,
-    HAS_E: tl.constexpr, V2: tl.constexpr, BV2: tl.constexpr, HAS_V2: tl.constexpr,
+    HAS_E: tl.constexpr, V2: tl.constexpr, BV2: tl.constexpr, HAS_V2: tl.constexpr, SUMS_AHEAD: tl.constexpr,
 ):
     """A segment's summary: the state (P, E[, p, e]) after it from a zero state, the undecayed
     moment R = sum_i k_i q_i^T and log rho = b_end - b_start (its total log decay). A start state
@@ -430,6 +442,8 @@ def ahla_fwd_summary_kernel(
     n_q, n_kt, n_v = _first_loads(q, k, v, off_k, off_v, lo * BT + rt, lo * BT + rt < end, rk, mk, rv, mv, H, K, V,
                                   True, PREFETCH)
     n_v2 = _first_values2(v2, off_v2, lo * BT + rt, lo * BT + rt < end, rv2, mv2, H, V2, HAS_V2, PREFETCH)
+    off_gc = i_bh.to(tl.int64) * NT * BT                 # the head's chunk-local sums (HAS_G)
+    n_beta, n_bL = first_walk_sums(gc, off_gc, lo * BT, BT, HAS_G, SUMS_AHEAD)
     for i_c in range(lo, hi):
         t = i_c * BT + rt
         mt = t < T
@@ -437,7 +451,9 @@ def ahla_fwd_summary_kernel(
                                                      rk, mk, rv, mv, H, K, V, True, IS_BF16, PREFETCH)
         b_v2, n_v2 = _step_values2(v2, n_v2, off_v2, t, mt, t + BT, t + BT < end, rv2, mv2, H, V2, IS_BF16, HAS_V2,
                                    PREFETCH)
-        G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY, HOIST=True)
+        G, g1, g2, gl, gC, bL, n_beta, n_bL = walk_factors(
+            gc, off_gc, n_beta, n_bL, i_c * BT, i_c * BT + BT, lo * BT, hi * BT, log_gamma, mt, BT, HAS_G, HAS_DECAY,
+            SUMS_AHEAD)
         if HAS_E:
             b_a, b_r, r_n = _chunk_first_order(b_q, b_kt, b_v, P, pn, G, g1, NORM, IS_BF16, PREC)
             R += dot(b_kt, b_q, IS_BF16, PREC)                               # K^T Q  [BK, BK]
@@ -532,11 +548,11 @@ def ahla_fwd_fold_kernel(
 
 
 @triton.jit
-def _dstate_factors(g, off_g, log_gamma, t, mt, H: tl.constexpr, BT: tl.constexpr,
-                    HAS_G: tl.constexpr, HAS_DECAY: tl.constexpr):
-    """The backward walk's decay factors of one chunk: G^T, g1, gl, gC, bL."""
-    beta = chunk_beta(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY, HOIST=True)
-    G, g1, g2, gl, gC, bL = chunk_decays(beta, mt, BT, HAS_DECAY, HOIST=True)
+def _dstate_factors(gc, off_gc, c0, log_gamma, mt, BT: tl.constexpr, HAS_G: tl.constexpr, HAS_DECAY: tl.constexpr):
+    """The backward walk's decay factors of the chunk whose first token is c0, from the gate sums
+    (``tiles.summed_beta``): G^T, g1, gl, gC, bL."""
+    beta, bL = summed_beta(gc, off_gc, c0, log_gamma, mt, BT, HAS_G, HAS_DECAY)
+    G, g1, g2, gl, gC, bL = decays_with_total(beta, bL, mt, BT, HAS_DECAY)
     GT = chunk_decays_t(beta, BT, HAS_DECAY)
     return GT, g1, gl, gC, bL
 
@@ -557,13 +573,14 @@ def _dstate_step(b_qt, b_k, b_do, d_p, d_e, GT, g1, gl, gC, IS_BF16: tl.constexp
 
 
 @triton.heuristics({
-    "HAS_G": lambda a: a["g"] is not None,
+    "HAS_G": lambda a: a["gc"] is not None,
     "HAS_DHT": lambda a: a["de_p"] is not None,
     "STORE_DH0": lambda a: a["dh0_p"] is not None,
 })
 @triton.jit(do_not_specialize=["C0", "NP"])
 def ahla_bwd_state_kernel(
-    q, k, do, g,             # q, k: [B, T, H, K]; do: [B, T, H, V]; g: [B, T, H] or None
+    q, k, do, gc,            # q, k: [B, T, H, K]; do: [B, T, H, V]; gc: the log-gates' chunk sums as in
+                             #   ahla_fwd_kernel (at this BT), or None
     dp_end, de_end,          # out: gradient of each chunk's END state (P, E) [B*H, NP, K, V], in the snapshots'
                              #      dtype, chunk C0 + i at i
     de_p, de_e,              # gradient of each segment's END state, fp32 [B*H*NSEG, K, V]; or None (zero)
@@ -608,7 +625,8 @@ def ahla_bwd_state_kernel(
         b_qt, b_k, b_do, n_qt, n_k, n_do = _step_loads(q, k, do, n_qt, n_k, n_do, off_k, off_v, t, mt, t - BT,
                                                        t - BT >= start, rk, mk, rv, mv, H, K, V, False, IS_BF16,
                                                        PREFETCH)
-        GT, g1, gl, gC, bL = _dstate_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
+        GT, g1, gl, gC, bL = _dstate_factors(gc, i_bh.to(tl.int64) * NT * BT, i_c * BT, log_gamma, mt, BT, HAS_G,
+                                             HAS_DECAY)
         d_p, d_e = _dstate_step(b_qt, b_k, b_do, d_p, d_e, GT, g1, gl, gC, IS_BF16, PREC)
     if STORE_DH0:
         if i_n == 0:
@@ -618,11 +636,11 @@ def ahla_bwd_state_kernel(
 
 
 @triton.heuristics({
-    "HAS_G": lambda a: a["g"] is not None,
+    "HAS_G": lambda a: a["gc"] is not None,
 })
 @triton.jit
 def ahla_bwd_summary_kernel(
-    q, k, do, g,             # as in ahla_bwd_state_kernel
+    q, k, do, gc,            # as in ahla_bwd_state_kernel
     sum_dp, sum_de,          # out: each segment's start-state gradient from a zero end gradient [B*H*NSEG, K, V]
     sum_rt, sum_lr,          # out: R^T = sum_i q_i k_i^T over the segment [B*H*NSEG, K, K]; log rho [B*H*NSEG]
     log_gamma, T, NS,
@@ -663,7 +681,8 @@ def ahla_bwd_summary_kernel(
         b_qt, b_k, b_do, n_qt, n_k, n_do = _step_loads(q, k, do, n_qt, n_k, n_do, off_k, off_v, t, mt, t - BT,
                                                        t - BT >= start, rk, mk, rv, mv, H, K, V, False, IS_BF16,
                                                        PREFETCH)
-        GT, g1, gl, gC, bL = _dstate_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY)
+        GT, g1, gl, gC, bL = _dstate_factors(gc, i_bh.to(tl.int64) * NT * BT, i_c * BT, log_gamma, mt, BT, HAS_G,
+                                             HAS_DECAY)
         d_p, d_e = _dstate_step(b_qt, b_k, b_do, d_p, d_e, GT, g1, gl, gC, IS_BF16, PREC)
         b_rt += dot(b_qt, b_k, IS_BF16, PREC)                                # Q^T K  [BK, BK]
         log_rho += bL
@@ -742,18 +761,19 @@ def _chunk_value_block_grads(b_q, b_qgt, b_k, b_kg, b_kgt, b_a, b_at, G, GT, g1,
 
 
 @triton.jit
-def _chunk_key_tiles(q, k, g, off_k, off_g, log_gamma, t, mt, rk, mk,
+def _chunk_key_tiles(q, k, gc, off_k, off_gc, log_gamma, c0, t, mt, rk, mk,
                      H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
                      HAS_G: tl.constexpr, HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr):
     """What every value block of a chunk's gradients shares: Q, K [BT, BK] and Q^T, K^T [BK, BT]
     (strided loads), the decay factors G, G^T, g1, gl, A = (Q K^T) o G and A^T [BT, BT] (each from
-    its own dot), Q^T diag(g1), diag(gl) K and its transpose."""
+    its own dot), Q^T diag(g1), diag(gl) K and its transpose; the decays from the gate sums (gc,
+    ``tiles.summed_beta``; off_gc the head's first element there)."""
     b_q = load_rows(q + off_k, t, mt, rk, mk, H * K, IS_BF16)
     b_qt = load_cols(q + off_k, t, mt, rk, mk, H * K, IS_BF16)
     b_k = load_rows(k + off_k, t, mt, rk, mk, H * K, IS_BF16)
     b_kt = load_cols(k + off_k, t, mt, rk, mk, H * K, IS_BF16)
-    beta = chunk_beta(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY, HOIST=True)
-    G, g1, g2, gl, gC, bL = chunk_decays(beta, mt, BT, HAS_DECAY, HOIST=True)
+    beta, bL = summed_beta(gc, off_gc, c0, log_gamma, mt, BT, HAS_G, HAS_DECAY)
+    G, g1, g2, gl, gC, bL = decays_with_total(beta, bL, mt, BT, HAS_DECAY)
     GT = chunk_decays_t(beta, BT, HAS_DECAY)
     b_a = tl.where(G > 0, tl.dot(b_q, b_kt, input_precision=PREC) * G, 0.0)      # A   [BT, BT]
     b_at = tl.where(GT > 0, tl.dot(b_k, b_qt, input_precision=PREC) * GT, 0.0)   # A^T [BT, BT]
@@ -764,12 +784,12 @@ def _chunk_key_tiles(q, k, g, off_k, off_g, log_gamma, t, mt, rk, mk,
 
 
 @triton.heuristics({
-    "HAS_G": lambda a: a["g"] is not None,
+    "HAS_G": lambda a: a["gc"] is not None,
     "HAS_DB": lambda a: a["db"] is not None,
 })
 @triton.jit(do_not_specialize=["C0", "NP"])
 def ahla_bwd_grad_kernel(
-    q, k, v, do, g,          # inputs as in the forward; do: [B, T, H, V]
+    q, k, v, do, gc,         # inputs as in the forward (gc: the gate sums at this BT, or None); do: [B, T, H, V]
     dq, dk, dv,              # out: gradients, same shapes and dtypes as q, k, v
     db,                      # out: dL/db_t without the final state's share, fp32 [B, T, H]; or None
     cs_p, cs_e,              # chunk-start snapshots [B*H, NT, K, V] (P0, E0)
@@ -801,6 +821,7 @@ def ahla_bwd_grad_kernel(
     i_c, i_bh = C0 + tl.program_id(0), tl.program_id(1)
     NT = tl.cdiv(T, BT)
     off_k, off_v, off_g = _head_offsets(i_bh, T, H, K, V)
+    off_gc = i_bh.to(tl.int64) * NT * BT             # the head's gate sums (HAS_G)
     rt = tl.arange(0, BT)
     rk = tl.arange(0, BK)
     mk = rk < K
@@ -809,7 +830,7 @@ def ahla_bwd_grad_kernel(
     # -- the chunk's key tiles, plain and transposed (strided loads), and its decay factors ------
     if not KEYS_PER_BLOCK:
         b_q, b_qgt, b_k, b_kg, b_kgt, b_a, b_at, G, GT, g1, gl = _chunk_key_tiles(
-            q, k, g, off_k, off_g, log_gamma, t, mt, rk, mk, H, K, BT, HAS_G, HAS_DECAY, IS_BF16, PREC)
+            q, k, gc, off_k, off_gc, log_gamma, i_c * BT, t, mt, rk, mk, H, K, BT, HAS_G, HAS_DECAY, IS_BF16, PREC)
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)
     b_dk = tl.zeros([BT, BK], dtype=tl.float32)
     off_cs = (i_bh.to(tl.int64) * NT + i_c) * K * V
@@ -819,7 +840,7 @@ def ahla_bwd_grad_kernel(
         mv = rv < V
         if KEYS_PER_BLOCK:
             b_q, b_qgt, b_k, b_kg, b_kgt, b_a, b_at, G, GT, g1, gl = _chunk_key_tiles(
-                q, k, g, off_k, off_g, log_gamma, t, mt, rk, mk, H, K, BT, HAS_G, HAS_DECAY, IS_BF16, PREC)
+                q, k, gc, off_k, off_gc, log_gamma, i_c * BT, t, mt, rk, mk, H, K, BT, HAS_G, HAS_DECAY, IS_BF16, PREC)
         # -- this value block's tiles: inputs, snapshots, end-state gradients ----------------
         b_v = load_rows(v + off_v, t, mt, rv, mv, H * V, IS_BF16)
         b_vt = load_cols(v + off_v, t, mt, rv, mv, H * V, IS_BF16)
@@ -873,7 +894,7 @@ def ahla_bwd_grad_kernel(
 
 
 @triton.heuristics({
-    "HAS_G": lambda a: a["g"] is not None,
+    "HAS_G": lambda a: a["gc"] is not None,
     "HAS_DHT": lambda a: a["dht"] is not None,
     "STORE_DH0": lambda a: a["dh0"] is not None,
     "NORM": lambda a: a["dd"] is not None,
@@ -881,7 +902,8 @@ def ahla_bwd_grad_kernel(
 })
 @triton.jit
 def ahla_bwd_dh_kernel(
-    q, dy, g,                # q: [B, T, H, K]; dy: a layer's output gradient [B, T, H, V] (dO, dR); g or None
+    q, dy, gc,               # q: [B, T, H, K]; dy: a layer's output gradient [B, T, H, V] (dO, dR); gc as in
+                             #   ahla_fwd_kernel (at this BT) or None
     dh_end,                  # out: the gradient of each chunk's END state [B*H, NT, K, V] (the snapshots' dtype)
     dht,                     # gradient of the final state, fp32 [B*H, K, V]; or None (zero)
     dh0,                     # out: gradient of the initial state, fp32 [B*H, K, V]; or None
@@ -914,6 +936,8 @@ def ahla_bwd_dh_kernel(
     d_h = mat_or_zeros(dht, base, rk, mk, rv, mv, V, BK, BV, HAS_DHT)              # dH [BK, BV]
     if NORM:
         d_z = vec_or_zeros(dzt, i_bh.to(tl.int64) * K, rk, mk, BK, HAS_DZT)       # dp [BK]
+    off_gc = i_bh.to(tl.int64) * NT * BT                 # the head's chunk-local sums (HAS_G)
+    n_beta, n_bL = first_walk_sums(gc, off_gc, (NT - 1) * BT, BT, HAS_G, False)
     for i_r in range(0, NT):
         i_c = NT - 1 - i_r
         store_mat(dh_end + (i_bh.to(tl.int64) * NT + i_c) * K * V, d_h, rk, mk, rv, mv, V)
@@ -921,7 +945,9 @@ def ahla_bwd_dh_kernel(
         mt = t < T
         b_qt = load_cols(q + off_k, t, mt, rk, mk, H * K, IS_BF16)                # Q^T [BK, BT]
         b_dy = load_rows(dy + off_v, t, mt, rv, mv, H * V, IS_BF16)               # dY  [BT, BV]
-        G, g1, g2, gl, gC, bL = chunk_factors(g, off_g, log_gamma, t, mt, H, BT, HAS_G, HAS_DECAY, HOIST=True)
+        G, g1, g2, gl, gC, bL, n_beta, n_bL = walk_factors(
+            gc, off_gc, n_beta, n_bL, i_c * BT, i_c * BT - BT, 0, NT * BT, log_gamma, mt, BT, HAS_G, HAS_DECAY,
+            False)
         d_h = d_h * gC + dot(b_qt * g1[None, :], b_dy, IS_BF16, PREC)
         if NORM:
             if i_v == 0:
@@ -944,7 +970,7 @@ def _store_layer_db(db, off_g, t, mt, b_q, b_dq, b_k, b_dk, H: tl.constexpr):
 
 
 @triton.heuristics({
-    "HAS_G": lambda a: a["g"] is not None,
+    "HAS_G": lambda a: a["gc"] is not None,
     "HAS_DQ_IN": lambda a: a["dq_in"] is not None,
     "HAS_DK_IN": lambda a: a["dk_in"] is not None,
     "HAS_DB": lambda a: a["db"] is not None,
@@ -952,7 +978,8 @@ def _store_layer_db(db, off_g, t, mt, b_q, b_dq, b_k, b_dk, H: tl.constexpr):
 })
 @triton.jit
 def ahla_bwd_layer_kernel(
-    q, k, x, dy, g,          # q, k: [B, T, H, K]; the layer's value x and output gradient dy [B, T, H, V]; g or None
+    q, k, x, dy, gc,         # q, k: [B, T, H, K]; the layer's value x and output gradient dy [B, T, H, V]; gc as
+                             #   in ahla_fwd_kernel (at this BT) or None
     h0, dh_end,              # the layer's chunk-start snapshots and chunk-end state gradients [B*H, NT, K, V]
     dd, z0, dz_end,          # a normalized layer (NORM): the denominator's gradient fp32 [B, T, H], its state's
                              #   chunk-start snapshots and chunk-end gradients fp32 [B*H, NT, K]; else None
@@ -996,7 +1023,8 @@ def ahla_bwd_layer_kernel(
     # -- the chunk's key tiles and decay factors (those of the coupled kernel; this one uses Q, K,
     #    Kg, A^T and the factors, and the compiler drops the rest) --------------------------------
     b_q, b_qgt, b_k, b_kg, b_kgt, b_a, b_at, G, GT, g1, gl = _chunk_key_tiles(
-        q, k, g, off_k, off_g, log_gamma, t, mt, rk, mk, H, K, BT, HAS_G, HAS_DECAY, IS_BF16, PREC)
+        q, k, gc, off_k, i_bh.to(tl.int64) * NT * BT, log_gamma, i_c * BT, t, mt, rk, mk, H, K, BT, HAS_G, HAS_DECAY,
+        IS_BF16, PREC)
     # -- sums over the value blocks ----------------------------------------------------------
     b_dm = tl.zeros([BT, BT], dtype=tl.float32)                                   # dY X^T
     b_dmt = tl.zeros([BT, BT], dtype=tl.float32)                                  # X dY^T

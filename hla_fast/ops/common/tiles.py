@@ -201,8 +201,6 @@ def chunk_decays(beta, mt, BT: tl.constexpr, HAS_DECAY: tl.constexpr, HOIST: tl.
 
     Returns G [BT, BT], g1 [BT], g2 = g1^2 [BT], gl [BT] (0 on padded rows), gC (scalar) and
     bL = beta_L (scalar, the log of the chunk's decay, for segment folds)."""
-    rt = tl.arange(0, BT)
-    causal = rt[:, None] >= rt[None, :]
     if HAS_DECAY:
         # beta is non-increasing (up to a rounding of the scan's sums, which may rise by one): its
         # last (= padded) value is the minimum, the chunk's total
@@ -210,18 +208,90 @@ def chunk_decays(beta, mt, BT: tl.constexpr, HAS_DECAY: tl.constexpr, HOIST: tl.
             bL = tl.min(tl.where(mt, beta, 0.0), axis=0)   # beta <= 0: the last valid row's
         else:
             bL = tl.min(beta, axis=0)
+    else:
+        bL = 0.0
+    return decays_with_total(beta, bL, mt, BT, HAS_DECAY)
+
+
+@triton.jit
+def decays_with_total(beta, bL, mt, BT: tl.constexpr, HAS_DECAY: tl.constexpr):
+    """``chunk_decays`` given the chunk's total bL = beta_L as well (a scalar <= every valid beta):
+    G, g1, g2, gl, gC, bL."""
+    rt = tl.arange(0, BT)
+    causal = rt[:, None] >= rt[None, :]
+    if HAS_DECAY:
         # exponents are <= 0 wherever they are kept; tl.where selects (no 0 * inf)
         G = tl.where(causal, tl.exp(tl.where(causal, beta[:, None] - beta[None, :], 0.0)), 0.0)
         g1 = tl.exp(beta)
         gl = tl.where(mt, tl.exp(bL - beta), 0.0)
         gC = tl.exp(bL)
     else:
-        bL = 0.0
         G = tl.where(causal, 1.0, 0.0)
         g1 = tl.full([BT], 1.0, tl.float32)
         gl = tl.where(mt, 1.0, 0.0)
         gC = 1.0
     return G, g1, g1 * g1, gl, gC, bL
+
+
+@triton.jit
+def read_sums(gc, gc_off, c0, lo, hi, BT: tl.constexpr):
+    """The stored chunk-local sums (``cumsum.py``: gc fp32 [B*H, NT*BT] from ``chunk_sums`` at this
+    BT, ``gc_off`` the head's first element) of the chunk whose first token is c0: beta [BT] and
+    its total bL, the chunk's last row (padded rows repeat it). Nothing is read unless
+    lo <= c0 < hi (a walk's next chunk past its range: zeros)."""
+    rt = tl.arange(0, BT)
+    cv = c0 + rt * 0                                   # c0 on every row (a [BT] mask, not a scalar's broadcast)
+    beta = tl.load(gc + gc_off + c0 + rt, mask=(cv >= lo) & (cv < hi), other=0.0)            # [BT]
+    bL = tl.load(gc + gc_off + c0 + BT - 1, mask=(c0 >= lo) & (c0 < hi), other=0.0)          # scalar
+    return beta, bL
+
+
+@triton.jit
+def summed_beta(gc, gc_off, c0, log_gamma, mt, BT: tl.constexpr, HAS_G: tl.constexpr, HAS_DECAY: tl.constexpr):
+    """beta [BT] and its total bL (scalar) of the chunk whose first token is c0, for the kernels
+    that read the log-gates as chunk-local sums: with HAS_G both are loads (``read_sums``), so
+    neither a scan nor a reduction runs in the kernel. Else a constant decay's or none, as
+    ``chunk_beta``'s HOIST and ``chunk_decays`` give them (gc is then None)."""
+    if HAS_G:
+        beta, bL = read_sums(gc, gc_off, c0, c0, c0 + 1, BT)
+    else:
+        beta = chunk_beta(gc, gc_off, log_gamma, c0 + tl.arange(0, BT), mt, 1, BT, False, HAS_DECAY, HOIST=True)
+        if HAS_DECAY:
+            bL = tl.min(tl.where(mt, beta, 0.0), axis=0)
+        else:
+            bL = 0.0
+    return beta, bL
+
+
+@triton.jit
+def first_walk_sums(gc, gc_off, c0, BT: tl.constexpr, HAS_G: tl.constexpr, AHEAD: tl.constexpr):
+    """With HAS_G and AHEAD the sums of a walk's first chunk (first token c0), read before its
+    loop and carried into its first step (``walk_factors``); else placeholders."""
+    if HAS_G and AHEAD:
+        n_beta, n_bL = read_sums(gc, gc_off, c0, c0, c0 + 1, BT)
+    else:
+        n_beta, n_bL = 0.0, 0.0
+    return n_beta, n_bL
+
+
+@triton.jit
+def walk_factors(gc, gc_off, n_beta, n_bL, c0, c0_next, lo, hi, log_gamma, mt, BT: tl.constexpr,
+                 HAS_G: tl.constexpr, HAS_DECAY: tl.constexpr, AHEAD: tl.constexpr):
+    """A walk's step: the factors G, g1, g2, gl, gC, bL of its chunk (first token c0) and the sums
+    it carries to its next step. With HAS_G and AHEAD this chunk's sums are the carried n_beta,
+    n_bL (read a step ago) and those of the walk's next chunk (first token c0_next, read only where
+    lo <= c0_next < hi) are issued now, so that their memory latency overlaps this chunk's products
+    instead of preceding them; else this chunk's are read now (``summed_beta``; a constant decay's
+    are formed, not read) and n_beta, n_bL pass through. The launchers take AHEAD for walks whose loads the
+    compiler does not pipeline (num_stages 1): HLA2's forward at K = V = 64 and 128 (training),
+    ``ahla/chunk.py``."""
+    if HAS_G and AHEAD:
+        beta, bL = n_beta, n_bL
+        n_beta, n_bL = read_sums(gc, gc_off, c0_next, lo, hi, BT)
+    else:
+        beta, bL = summed_beta(gc, gc_off, c0, log_gamma, mt, BT, HAS_G, HAS_DECAY)
+    G, g1, g2, gl, gC, bL = decays_with_total(beta, bL, mt, BT, HAS_DECAY)
+    return G, g1, g2, gl, gC, bL, n_beta, n_bL
 
 
 @triton.jit
