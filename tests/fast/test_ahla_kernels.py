@@ -211,17 +211,17 @@ def test_strong_gates_underflow_to_zero_not_nan(device, poison):
     assert all(torch.isfinite(x).all() for x in grads)
 
 
-@pytest.mark.parametrize("T,H,chunk,scale", [(45, 2, 16, 1.0), (1, 3, 16, 2.0), (64, 5, 32, 3.0), (129, 16, 64, 1.0)])
-def test_chunk_sums_are_the_chunk_local_cumsum(T, H, chunk, scale, device, poison):
+@pytest.mark.parametrize("T,H,chunk", [(45, 2, 16), (1, 3, 16), (64, 5, 32), (129, 16, 64)])
+def test_chunk_sums_are_the_chunk_local_cumsum(T, H, chunk, device, poison):
     """``common.cumsum.chunk_sums``, the gate sums every first-order walk reads: the cumulative sum
-    of scale * g inside each chunk, head-major and padded to whole chunks with the chunk's last sum
+    of g inside each chunk, head-major and padded to whole chunks with the chunk's last sum
     (``gates.chunk_local_cumsum``, in float64), to the fp32 rounding of a chunk's partial sums."""
     from hla_fast.ops.common.cumsum import chunk_sums
     from hla_fast.ops.common.gates import chunk_local_cumsum
 
     g = rand_gates(2, T, H, seed=T + H, strength=3.0, device=device)
-    got = chunk_sums(g, chunk, scale=scale)
-    want = chunk_local_cumsum(scale * g.double().cpu(), chunk).reshape(2 * H, -1)
+    got = chunk_sums(g, chunk)
+    want = chunk_local_cumsum(g.double().cpu(), chunk).reshape(2 * H, -1)
     assert got.dtype == torch.float32 and got.shape == want.shape
     assert torch.allclose(got.double().cpu(), want, rtol=chunk * 2.0 ** -24, atol=0)
 

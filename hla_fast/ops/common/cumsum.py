@@ -25,10 +25,10 @@ from .launch import cdiv, pow2_block
 def chunk_sums_kernel(
     g,                       # log-gates [B, T, H] (any float dtype)
     gc,                      # out: chunk-local cumulative sums, fp32 [B * H, NT * BT]
-    scale, T,                # factor applied to g before summing (an operator's rate), sequence length
+    T,                       # sequence length
     H: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
 ):
-    """One program per (chunk, batch): every head's beta = cumsum(scale * g) over the chunk's rows
+    """One program per (chunk, batch): every head's beta = cumsum(g) over the chunk's rows
     (0 added past T), read as one [BT, BH] tile of g's contiguous rows and stored at each head's
     padded row (reference: ``gates.chunk_local_cumsum``)."""
     i_c, i_b = tl.program_id(0), tl.program_id(1)
@@ -37,18 +37,18 @@ def chunk_sums_kernel(
     h = tl.arange(0, BH)                                              # heads [BH]
     mh = h < H
     b_g = tl.load(g + i_b.to(tl.int64) * T * H + t[:, None] * H + h[None, :], mask=(t < T)[:, None] & mh[None, :],
-                  other=0.0).to(tl.float32) * scale                   # [BT, BH], 0 past T
+                  other=0.0).to(tl.float32)                           # [BT, BH], 0 past T
     beta = tl.cumsum(b_g, axis=0)                                     # [BT, BH], padded rows repeat the last
     rows = (i_b * H + h).to(tl.int64) * NT * BT                       # each head's first element of gc
     tl.store(gc + rows[None, :] + t[:, None], beta, mask=mh[None, :])
 
 
-def chunk_sums(g: torch.Tensor, chunk: int, scale: float = 1.0, launch=launch_kernel) -> torch.Tensor:
-    """The chunk-local cumulative sums of ``scale * g`` (g [B, T, H], contiguous) in chunks of
+def chunk_sums(g: torch.Tensor, chunk: int, launch=launch_kernel) -> torch.Tensor:
+    """The chunk-local cumulative sums of g [B, T, H] (contiguous) in chunks of
     ``chunk`` rows: fp32 [B * H, NT * chunk] (the module docstring's layout)."""
     B, T, H = g.shape
     NT = cdiv(T, chunk)
     gc = torch.empty(B * H, NT * chunk, device=g.device, dtype=torch.float32)
-    launch(chunk_sums_kernel, (NT, B), g=g, gc=gc, scale=float(scale), T=T, H=H, BT=chunk, BH=pow2_block(H),
+    launch(chunk_sums_kernel, (NT, B), g=g, gc=gc, T=T, H=H, BT=chunk, BH=pow2_block(H),
            num_warps=4)
     return gc

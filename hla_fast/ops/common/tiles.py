@@ -201,6 +201,13 @@ def chunk_decays(beta, mt, BT: tl.constexpr, HAS_DECAY: tl.constexpr, HOIST: tl.
 
     Returns G [BT, BT], g1 [BT], g2 = g1^2 [BT], gl [BT] (0 on padded rows), gC (scalar) and
     bL = beta_L (scalar, the log of the chunk's decay, for segment folds)."""
+    return decays_with_total(beta, chunk_total(beta, mt, HAS_DECAY, HOIST), mt, BT, HAS_DECAY)
+
+
+@triton.jit
+def chunk_total(beta, mt, HAS_DECAY: tl.constexpr, HOIST: tl.constexpr):
+    """beta_L, the chunk's total log decay, from its beta [BT] (0 without decay; HOIST as
+    ``chunk_beta``'s: the minimum over the valid rows only)."""
     if HAS_DECAY:
         # beta is non-increasing (up to a rounding of the scan's sums, which may rise by one): its
         # last (= padded) value is the minimum, the chunk's total
@@ -210,7 +217,7 @@ def chunk_decays(beta, mt, BT: tl.constexpr, HAS_DECAY: tl.constexpr, HOIST: tl.
             bL = tl.min(beta, axis=0)
     else:
         bL = 0.0
-    return decays_with_total(beta, bL, mt, BT, HAS_DECAY)
+    return bL
 
 
 @triton.jit
@@ -256,10 +263,7 @@ def summed_beta(gc, gc_off, c0, log_gamma, mt, BT: tl.constexpr, HAS_G: tl.const
         beta, bL = read_sums(gc, gc_off, c0, c0, c0 + 1, BT)
     else:
         beta = chunk_beta(gc, gc_off, log_gamma, c0 + tl.arange(0, BT), mt, 1, BT, False, HAS_DECAY, HOIST=True)
-        if HAS_DECAY:
-            bL = tl.min(tl.where(mt, beta, 0.0), axis=0)
-        else:
-            bL = 0.0
+        bL = chunk_total(beta, mt, HAS_DECAY, True)
     return beta, bL
 
 
@@ -282,9 +286,8 @@ def walk_factors(gc, gc_off, n_beta, n_bL, c0, c0_next, lo, hi, log_gamma, mt, B
     n_bL (read a step ago) and those of the walk's next chunk (first token c0_next, read only where
     lo <= c0_next < hi) are issued now, so that their memory latency overlaps this chunk's products
     instead of preceding them; else this chunk's are read now (``summed_beta``; a constant decay's
-    are formed, not read) and n_beta, n_bL pass through. The launchers take AHEAD for walks whose loads the
-    compiler does not pipeline (num_stages 1): HLA2's forward at K = V = 64 and 128 (training),
-    ``ahla/chunk.py``."""
+    are formed, not read) and n_beta, n_bL pass through. The launchers take AHEAD for walks whose
+    loads the compiler does not pipeline (num_stages 1), ``ahla/chunk.py``."""
     if HAS_G and AHEAD:
         beta, bL = n_beta, n_bL
         n_beta, n_bL = read_sums(gc, gc_off, c0_next, lo, hi, BT)
