@@ -108,7 +108,7 @@ import triton.language as tl
 
 from ..common.tiles import (
     cast, chunk_decays_t, decays_with_total, dot, first_walk_sums, load_cols, load_mat, load_mat_t, load_rows,
-    load_vec, mat_or_zeros, read_cols, read_rows, store_mat, summed_beta, vec_or_zeros, walk_factors,
+    load_vec, mat_or_zeros, read_cols, read_rows, store_mat, summed_beta, sums_offset, vec_or_zeros, walk_factors,
 )
 
 
@@ -321,7 +321,7 @@ def ahla_fwd_kernel(
     n_q, n_kt, n_v = _first_loads(q, k, v, off_k, off_v, lo * BT + rt, lo * BT + rt < end, rk, mk, rv, mv, H, K, V,
                                   True, PREFETCH)
     n_v2 = _first_values2(v2, off_v2, lo * BT + rt, lo * BT + rt < end, rv2, mv2, H, V2, HAS_V2, PREFETCH)
-    off_gc = i_bh.to(tl.int64) * NT * BT                 # the head's chunk-local sums (HAS_G)
+    off_gc = sums_offset(i_bh, NT, BT)                 # the head's chunk-local sums (HAS_G)
     n_beta, n_bL = first_walk_sums(gc, off_gc, lo * BT, BT, HAS_G, SUMS_AHEAD)
     for i_c in range(lo, hi):
         t = i_c * BT + rt
@@ -442,7 +442,7 @@ def ahla_fwd_summary_kernel(
     n_q, n_kt, n_v = _first_loads(q, k, v, off_k, off_v, lo * BT + rt, lo * BT + rt < end, rk, mk, rv, mv, H, K, V,
                                   True, PREFETCH)
     n_v2 = _first_values2(v2, off_v2, lo * BT + rt, lo * BT + rt < end, rv2, mv2, H, V2, HAS_V2, PREFETCH)
-    off_gc = i_bh.to(tl.int64) * NT * BT                 # the head's chunk-local sums (HAS_G)
+    off_gc = sums_offset(i_bh, NT, BT)                 # the head's chunk-local sums (HAS_G)
     n_beta, n_bL = first_walk_sums(gc, off_gc, lo * BT, BT, HAS_G, SUMS_AHEAD)
     for i_c in range(lo, hi):
         t = i_c * BT + rt
@@ -625,7 +625,7 @@ def ahla_bwd_state_kernel(
         b_qt, b_k, b_do, n_qt, n_k, n_do = _step_loads(q, k, do, n_qt, n_k, n_do, off_k, off_v, t, mt, t - BT,
                                                        t - BT >= start, rk, mk, rv, mv, H, K, V, False, IS_BF16,
                                                        PREFETCH)
-        GT, g1, gl, gC, bL = _dstate_factors(gc, i_bh.to(tl.int64) * NT * BT, i_c * BT, log_gamma, mt, BT, HAS_G,
+        GT, g1, gl, gC, bL = _dstate_factors(gc, sums_offset(i_bh, NT, BT), i_c * BT, log_gamma, mt, BT, HAS_G,
                                              HAS_DECAY)
         d_p, d_e = _dstate_step(b_qt, b_k, b_do, d_p, d_e, GT, g1, gl, gC, IS_BF16, PREC)
     if STORE_DH0:
@@ -681,7 +681,7 @@ def ahla_bwd_summary_kernel(
         b_qt, b_k, b_do, n_qt, n_k, n_do = _step_loads(q, k, do, n_qt, n_k, n_do, off_k, off_v, t, mt, t - BT,
                                                        t - BT >= start, rk, mk, rv, mv, H, K, V, False, IS_BF16,
                                                        PREFETCH)
-        GT, g1, gl, gC, bL = _dstate_factors(gc, i_bh.to(tl.int64) * NT * BT, i_c * BT, log_gamma, mt, BT, HAS_G,
+        GT, g1, gl, gC, bL = _dstate_factors(gc, sums_offset(i_bh, NT, BT), i_c * BT, log_gamma, mt, BT, HAS_G,
                                              HAS_DECAY)
         d_p, d_e = _dstate_step(b_qt, b_k, b_do, d_p, d_e, GT, g1, gl, gC, IS_BF16, PREC)
         b_rt += dot(b_qt, b_k, IS_BF16, PREC)                                # Q^T K  [BK, BK]
@@ -821,7 +821,7 @@ def ahla_bwd_grad_kernel(
     i_c, i_bh = C0 + tl.program_id(0), tl.program_id(1)
     NT = tl.cdiv(T, BT)
     off_k, off_v, off_g = _head_offsets(i_bh, T, H, K, V)
-    off_gc = i_bh.to(tl.int64) * NT * BT             # the head's gate sums (HAS_G)
+    off_gc = sums_offset(i_bh, NT, BT)             # the head's gate sums (HAS_G)
     rt = tl.arange(0, BT)
     rk = tl.arange(0, BK)
     mk = rk < K
@@ -936,7 +936,7 @@ def ahla_bwd_dh_kernel(
     d_h = mat_or_zeros(dht, base, rk, mk, rv, mv, V, BK, BV, HAS_DHT)              # dH [BK, BV]
     if NORM:
         d_z = vec_or_zeros(dzt, i_bh.to(tl.int64) * K, rk, mk, BK, HAS_DZT)       # dp [BK]
-    off_gc = i_bh.to(tl.int64) * NT * BT                 # the head's chunk-local sums (HAS_G)
+    off_gc = sums_offset(i_bh, NT, BT)                 # the head's chunk-local sums (HAS_G)
     n_beta, n_bL = first_walk_sums(gc, off_gc, (NT - 1) * BT, BT, HAS_G, False)
     for i_r in range(0, NT):
         i_c = NT - 1 - i_r
@@ -1023,7 +1023,7 @@ def ahla_bwd_layer_kernel(
     # -- the chunk's key tiles and decay factors (those of the coupled kernel; this one uses Q, K,
     #    Kg, A^T and the factors, and the compiler drops the rest) --------------------------------
     b_q, b_qgt, b_k, b_kg, b_kgt, b_a, b_at, G, GT, g1, gl = _chunk_key_tiles(
-        q, k, gc, off_k, i_bh.to(tl.int64) * NT * BT, log_gamma, i_c * BT, t, mt, rk, mk, H, K, BT, HAS_G, HAS_DECAY,
+        q, k, gc, off_k, sums_offset(i_bh, NT, BT), log_gamma, i_c * BT, t, mt, rk, mk, H, K, BT, HAS_G, HAS_DECAY,
         IS_BF16, PREC)
     # -- sums over the value blocks ----------------------------------------------------------
     b_dm = tl.zeros([BT, BT], dtype=tl.float32)                                   # dY X^T

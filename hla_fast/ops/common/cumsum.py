@@ -19,6 +19,7 @@ import triton.language as tl
 
 from .compile import launch_kernel
 from .launch import cdiv, pow2_block
+from .tiles import sums_offset
 
 
 @triton.jit
@@ -39,7 +40,7 @@ def chunk_sums_kernel(
     b_g = tl.load(g + i_b.to(tl.int64) * T * H + t[:, None] * H + h[None, :], mask=(t < T)[:, None] & mh[None, :],
                   other=0.0).to(tl.float32)                           # [BT, BH], 0 past T
     beta = tl.cumsum(b_g, axis=0)                                     # [BT, BH], padded rows repeat the last
-    rows = (i_b * H + h).to(tl.int64) * NT * BT                       # each head's first element of gc
+    rows = sums_offset(i_b * H + h, NT, BT)                           # each head's first element of gc
     tl.store(gc + rows[None, :] + t[:, None], beta, mask=mh[None, :])
 
 

@@ -241,6 +241,13 @@ def decays_with_total(beta, bL, mt, BT: tl.constexpr, HAS_DECAY: tl.constexpr):
 
 
 @triton.jit
+def sums_offset(i_bh, NT, BT: tl.constexpr):
+    """Head i_bh's first element in the stored chunk-local sums (``cumsum.py``: gc fp32
+    [B*H, NT*BT], each head's row padded to whole chunks; 64-bit)."""
+    return i_bh.to(tl.int64) * NT * BT
+
+
+@triton.jit
 def read_sums(gc, gc_off, c0, lo, hi, BT: tl.constexpr):
     """The stored chunk-local sums (``cumsum.py``: gc fp32 [B*H, NT*BT] from ``chunk_sums`` at this
     BT, ``gc_off`` the head's first element) of the chunk whose first token is c0: beta [BT] and
@@ -326,11 +333,11 @@ def held_decays(G, IS_BF16: tl.constexpr):
     used (as it can a constant decay's, a function of the row and column indices) and holds the
     fp32 tile in registers between its uses: with chunks of 64 in 4 warps that is 32 registers a
     thread, and the kernels already spill. Held in fp16 it takes half (HLA2's forward at K = 64 with
-    a constant decay went from 1.20 to 1.10 ms too, ``hla2_h200_ab_held_decays_plain.json``), and
+    a constant decay got faster too, ``hla2_h200_ab_held_decays_plain.json``), and
     G's rounding (unit roundoff 2^-11, absolute 2^-25 below fp16's normal range) stays an eighth of
     the bf16 rounding (2^-8) that every product it scales takes before its dot. A [32, 32] tile in
-    8 warps is 4 registers: there holding it only cost time (HLA2's forward at K = V = 128 took
-    6.29 ms held against 6.06 not, ``benchmarks/results/hla2_h200_ab_held_decays.json``). Call it
+    8 warps is 4 registers: there holding it only cost time (HLA2's forward at K = V = 128 was
+    slower held than not, ``benchmarks/results/hla2_h200_ab_held_decays.json``). Call it
     after G's first use, which takes the fp32 tile."""
     if IS_BF16 and G.shape[0] >= 64:
         H = G.to(tl.float16)
