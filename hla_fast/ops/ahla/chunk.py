@@ -70,23 +70,22 @@ SEGMENT_MAX_K = 128
 MIN_SEGMENT_CHUNKS = 4
 # the layered backward's state-gradient walks (``ahla_bwd_dh_kernel``): key blocks of at most this
 # width, in DH_WARPS warps, loads pipelined DH_STAGES deep (the walk's loads do not depend on the
-# state it carries). At K = V = 128, T = 32k, bf16: 0.683 ms a walk, against 0.992 in 8 warps
-# without pipelining and 0.71 to 1.73 ms for key blocks of 32 or 128 (benchmarks/results/
-# ahla_h200_layers_kernels.md). At K = V = 64 (HLA3's first stage): 0.413 ms, against 0.377 for key
-# blocks of 32 (not taken for 0.04 ms) and 0.58 to 1.66 for 128 (ahla_h200_layers_kernels_k64.md)
+# state it carries). At K = V = 128, T = 32k, bf16 the fastest walk measured: faster than 8 warps
+# without pipelining and than key blocks of 32 or 128 (benchmarks/results/ahla_h200_layers_kernels.md).
+# At K = V = 64 (HLA3's first stage) key blocks of 32 were slightly faster, too little to take, and
+# key blocks of 128 slower (ahla_h200_layers_kernels_k64.md)
 DH_BLOCK_K = 64
 DH_WARPS = 4
 DH_STAGES = 3
 # the layered backward's per-chunk kernel (``ahla_bwd_layer_kernel``) pipelines the loads of its
-# two value blocks: 3.32 against 3.64 ms a launch in 8 warps (the same record); at K = V = 64 one
-# value block of 64 in 4 warps (the rule's bwd_warps there) took 1.255 ms with one stage or two,
-# against 1.97 in 8 warps and 1.29 to 2.41 for value blocks of 32 (ahla_h200_layers_kernels_k64.md)
+# two value blocks: faster than one stage in 8 warps (the same record); at K = V = 64 one value
+# block of 64 in 4 warps (the rule's bwd_warps there) took the same time with one stage or two, and was
+# faster than 8 warps or value blocks of 32 (ahla_h200_layers_kernels_k64.md)
 LAYER_STAGES = 2
 # the forward walks of chunks of at least this many rows apply the state update's decay to the rows
 # of V and R instead of the columns of K^T (``_chunk_carry``'s SCALE_ROWS). K = V = 128, T = 32k,
-# bf16, the walk kernel alone: chunks of 128 in 8 warps 2.10 against 2.32 ms with two stages (2.28
-# against 2.33 with one); chunks of 64 are slower with rows, 2.75 against 2.53 ms in 4 warps, 2.90
-# against 2.72 in 8 (benchmarks/results/ahla_h200_chunk128.md)
+# bf16, the walk kernel alone: chunks of 128 in 8 warps are faster with rows, with two stages or
+# one; chunks of 64 are slower with rows, in 4 warps and in 8 (benchmarks/results/ahla_h200_chunk128.md)
 SCALE_ROWS_MIN_CHUNK = 128
 
 
@@ -101,33 +100,31 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
 
     * chunks of ``chunk_size`` forward (at most 32 for keys wider than 128: a [K, 64] tile of P
       and of E stays in registers; at most FP32_MAX_CHUNK for fp32 and fp16 inputs, whose tiles
-      are fp32: the segment summary of fp32 chunks of 128 asked an H200 for 256 KB of shared
-      memory); backward chunks of at most 64 rows, at most 32 for heads wider
+      are fp32: the segment summary of fp32 chunks of 128 asked an H200 for more shared memory
+      than Hopper's 227 KB); backward chunks of at most 64 rows, at most 32 for heads wider
       than 64 and 16 for keys wider than 128 (the coupled per-chunk gradient kernel holds many
       [BT, BT] and [BT, K] tiles), but 64 for the layered backward below;
     * keys of 65 to 128, training, coupled backward: the forward takes the backward's chunk of 32 and keeps its
       chunk-start states, instead of a forward of 64 whose states the backward recomputes at 32
-      (19.1 against 21.6 ms forward + backward at K = V = 128);
+      (faster forward + backward at K = V = 128);
     * forward value blocks of 64 columns (the backward's are BWD_BLOCK_V);
     * a bf16 forward that autograd does not record, with key tiles of 128 and ``chunk_size`` None,
-      runs in chunks of 128, the layout below (64 rows otherwise, DEFAULT_CHUNK): 2.04 ms against
-      flash-linear-attention's 1.53 at K = V = 128, T = 32k (``ahla_h200_default_chunks.md``);
+      runs in chunks of 128, the layout below (64 rows otherwise, DEFAULT_CHUNK), timed against
+      flash-linear-attention's forward at K = V = 128, T = 32k in ``ahla_h200_default_chunks.md``;
     * a bf16 forward of chunks of 128 (``chunk_size=128``) with key tiles of 128 runs in 8 warps
-      without loading ahead: 2.35 ms against 2.67 for the default chunks of 64 in 4 warps
-      (K = V = 128, T = 32k, ``ahla_h200_fwd_chunks.md``; in 4 warps, or loading ahead, an sm_90
-      compile spills 1.5 and 0.8 KB of registers a thread, against 0.24 KB:
-      ``compile_ahla_bf16_k128_fwd_chunk128_{w4,w8_prefetch,w8}_cpu.md``, compiled before the
-      walk scaled rows), with its loads pipelined two stages deep (``fwd_stages=2``) and the
-      decay on the rows of V and R (SCALE_ROWS_MIN_CHUNK): 2.06 against 2.27 ms with one stage,
-      1.42x fla's first-order forward in the same run (``ahla_h200_chunk128_calls.md``; two stages
-      take 160 KB of shared memory and spill 164 bytes a thread by an sm_90 compile,
-      ``compile_ahla_bf16_k128_fwd_chunk128_w8_stages2_cpu.md``; three stages need 240 KB, past
-      Hopper's 227);
+      without loading ahead: faster than the default chunks of 64 in 4 warps (K = V = 128,
+      T = 32k, ``ahla_h200_fwd_chunks.md``; in 4 warps, or loading ahead, an sm_90 compile spills
+      several times as many registers a thread: ``compile_ahla_bf16_k128_fwd_chunk128_{w4,w8_prefetch,w8}_cpu.md``,
+      compiled before the walk scaled rows), with its loads pipelined two stages deep
+      (``fwd_stages=2``) and the decay on the rows of V and R (SCALE_ROWS_MIN_CHUNK): faster than
+      one stage, timed against fla's first-order forward in the same run (``ahla_h200_chunk128_calls.md``;
+      two stages fit Hopper's 227 KB of shared memory and spill a little by an sm_90 compile,
+      ``compile_ahla_bf16_k128_fwd_chunk128_w8_stages2_cpu.md``; three stages do not fit);
     * 4 warps for key tiles up to 64 wide, 8 above; but a bf16 inference forward (chunks of 64)
-      at key tiles of 128 takes 4 (2.34 against 2.73 ms at K = V = 128);
+      at key tiles of 128 takes 4 (faster at K = V = 128);
     * the per-chunk gradients in one launch (two or three launches, ``grad_parts``, spill fewer
-      registers by ``ptxas -v`` but were slower at both sizes: 3.91 and 4.15 against 3.48 ms
-      forward + backward at K = V = 64);
+      registers by ``ptxas -v`` but were slower forward + backward at both sizes, K = V = 64 and
+      128);
     * segments: as many as keep every program in one wave (two programs a multiprocessor for key
       tiles up to 64 wide, one for 128), at least MIN_SEGMENT_CHUNKS chunks each; one for keys
       wider than SEGMENT_MAX_K;
@@ -137,16 +134,16 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
       at a time (``ahla_h200_ab_pieces.json``);
     * bf16 training with key tiles of 128: the backward as two first-order layers
       (``bwd_layers``; ``ahla_h200.md``'s layouts, T = 32k), in chunks of 64 for both passes, the
-      forward in 4 warps without loading ahead, the backward in 8: 11.4 against 17.3 ms forward +
-      backward at K = V = 128 for the coupled backward in its layout (chunks of 32, an 8-warp
-      forward); in chunks of 32 17.5, with an 8-warp forward 11.9, a 4-warp backward 13.0. At
-      K = V = 64 the coupled backward in segments stays (3.52 against 4.27 ms);
+      forward in 4 warps without loading ahead, the backward in 8: faster forward + backward at
+      K = V = 128 than the coupled backward in its layout (chunks of 32, an 8-warp forward), and
+      than the layers in chunks of 32, with an 8-warp forward or with a 4-warp backward. At
+      K = V = 64 the coupled backward in segments stays (faster than the layers there);
     * bf16 walks load each next chunk's tiles ahead (``fwd_prefetch``, ``bwd_prefetch``;
-      ``ahla_h200_prefetch.md``, T = 32k): the forward's at K = V = 64 (0.881 against 0.962 ms)
-      and in 8 warps, the backward's in 8 warps (forward + backward at K = V = 128: 17.2 against
-      19.5 ms); not the 4-warp backward walks of K = V = 64 (3.57 against 3.45 ms) nor the 4-warp
-      forward of key tiles of 128, whose prefetched tiles triple its register spills (5.06
-      against 2.50 ms). fp32 and fp16 tiles take twice the registers; they were not measured.
+      ``ahla_h200_prefetch.md``, T = 32k), where that was faster: the forward's at K = V = 64 and
+      in 8 warps, the backward's in 8 warps (forward + backward at K = V = 128); not the 4-warp
+      backward walks of K = V = 64 nor the 4-warp forward of key tiles of 128, whose prefetched
+      tiles multiply its register spills (both slower loading ahead). fp32 and fp16 tiles take
+      twice the registers; they were not measured.
     Off CUDA (the interpreter) every walk is one segment. The result is immutable, so it is cached
     per shape.
 
@@ -175,7 +172,7 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     fwd_seg = bwd_seg = 1
     if K <= SEGMENT_MAX_K:
         # key tiles of 128 count one program a multiprocessor whatever the warps: the 4-warp forward
-        # in two segments took 4.85 ms, in one 2.34 (a summary holds a 128 x 128 fp32 tile)
+        # in two segments was slower than in one (a summary holds a 128 x 128 fp32 tile; ahla_h200_variants.md)
         per_sm = 2 if BK <= 64 else 1
         fwd_seg = one_wave_segments(cdiv(V, block_v) * B * H, cdiv(T, fwd_chunk), device, per_sm, MIN_SEGMENT_CHUNKS)
         if not layers:   # the layered backward walks each layer whole
@@ -202,8 +199,8 @@ def bwd_blocks(K: int, V: int, device: torch.device):
 def grad_precision(dtype: torch.dtype) -> str:
     """Dot input precision of ``ahla_bwd_grad_kernel``: ``dot_precision``'s, but fp32's (tf32x3 on
     a GPU) for fp16 inputs, which the kernels widen to fp32 tiles. With single tf32 products of
-    fp32 tiles the compiler stages both operands of every dot in shared memory: 368 to 676 KB,
-    past Hopper's 227 KB at every key width; with tf32x3 the kernel takes what it takes for fp32."""
+    fp32 tiles the compiler stages both operands of every dot in shared memory, past Hopper's
+    227 KB at every key width; with tf32x3 the kernel takes what it takes for fp32."""
     return dot_precision(torch.float32 if dtype == torch.float16 else dtype)
 
 
@@ -211,8 +208,8 @@ def grad_keys_per_block(n_value_blocks: int, BK: int, dtype: torch.dtype) -> boo
     """Whether ``ahla_bwd_grad_kernel`` forms its key tiles and A, A^T afresh in every value block
     (KEYS_PER_BLOCK). Kept across more than one block, the compiler holds their shared-memory
     copies beside every block's own: past Hopper's 227 KB for fp32 tiles (fp32 and fp16 inputs,
-    288 to 324 KB for keys of 64 to 256) and for 256-wide bf16 key tiles (253 KB). bf16 key tiles
-    up to GRAD_SHARED_KEYS_MAX_K wide fit when kept (at most 176 KB) and save two [BT, BT] dots
+    keys of 64 to 256) and for 256-wide bf16 key tiles. bf16 key tiles up to
+    GRAD_SHARED_KEYS_MAX_K wide fit when kept and save two [BT, BT] dots
     and the key reloads per block, so they stay."""
     return n_value_blocks > 1 and (not bf16_dots(dtype) or BK > GRAD_SHARED_KEYS_MAX_K)
 
@@ -237,8 +234,8 @@ def _dstate_dtype(snap: torch.dtype, BK: int) -> torch.dtype:
     """dtype of the chunk-end state gradients the backward walk stores for the per-chunk kernel:
     the snapshots' (``snap``), as HLA2 does, since that kernel reads them only as dot operands
     (the same bf16 rounding, half the bytes written and read), but fp32 for key tiles wider than
-    GRAD_SHARED_KEYS_MAX_K: with bf16 ones the compiler stages them in shared memory, 324 KB at
-    K = 256, past Hopper's 227 KB (the sm_90 compile in tests/fast/test_ahla_kernels.py)."""
+    GRAD_SHARED_KEYS_MAX_K: with bf16 ones the compiler stages them in shared memory, past
+    Hopper's 227 KB at K = 256 (the sm_90 compile in tests/fast/test_ahla_kernels.py)."""
     return snap if BK <= GRAD_SHARED_KEYS_MAX_K else torch.float32
 
 

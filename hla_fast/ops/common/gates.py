@@ -64,7 +64,7 @@ def reverse_cumsum(db: torch.Tensor, dim: int = 1) -> torch.Tensor:
 
     The scan runs along the last dimension of a copy that has ``dim`` last (the result has
     ``db``'s layout again): CUDA's scan along an outer dimension of a [B, T, H] tensor, with the
-    heads innermost, took 5.7 ms at B = 4, T = 32k, H = 16 on an H200, more than AHLA's whole
+    heads innermost, took longer at B = 4, T = 32k, H = 16 on an H200 than AHLA's whole
     forward + backward (benchmarks/results/kernels_ahla_h200_outer_scan.md)."""
     x = db.movedim(dim, -1).flip(-1).cumsum(-1).flip(-1)
     return x.movedim(-1, dim).contiguous()

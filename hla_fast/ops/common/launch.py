@@ -106,9 +106,9 @@ def one_wave_segments(n_programs: int, n_chunks: int, device: torch.device, per_
 
 # longest forward chunk the rules give inputs whose tiles are fp32 (fp32 and fp16 inputs), past
 # which Hopper's 227 KB of shared memory do not hold the walk: by an sm_90 compile HLA2's forward walk
-# on chunks of 128 at K = 16 takes 256 KB, fp32 and fp16 alike (benchmarks/results/
+# on chunks of 128 at K = 16 takes more than that, fp32 and fp16 alike (benchmarks/results/
 # compile_hla2_fp32_chunk128_cpu.md, compile_hla2_fp16_chunk128_cpu.md; an H200 refused third
-# order's launch of it), and AHLA's segment summary of fp32 chunks of 128 asked an H200 for 256 KB
+# order's launch of it), and AHLA's segment summary of fp32 chunks of 128 asked an H200 for more
 # (test_ahla_kernels.py::test_chunks_of_128_scale_the_rows)
 FP32_MAX_CHUNK = 64
 

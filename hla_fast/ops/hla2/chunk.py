@@ -108,13 +108,11 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     the fused kernels' rule (:func:`fused_config`). Normalized or not alike: the layers carry the
     denominator's state z beside W in the outer layer's walks (:class:`HLA2LayersFunction`), as the
     fused kernels do; but a normalized inference forward that the layers' rule walks in chunks of
-    128 (128-wide keys) takes chunks of 64 in 4-warp programs, whose row sums of A stay within a warp:
-    K = V = 128, T = 32k, 4.75 -> 4.15 ms (each layout in its own process, ``python
-    benchmarks/split_forward.py --op hla2 --normalize --dims 128 --no-fla --layouts '[{}, {"fwd_chunk":
-    64}, {"fwd_chunk": 64, "fwd_warps": 4}, {"fwd_stages": 1}]'``,
-    ``benchmarks/results/hla2_h200_normalized_layers_fwd_layouts_k128.json``; unnormalized, the same
-    change was 2.35 -> 2.87, ``hla2_h200_plain_fwd_layouts_k128.json``). The result is immutable,
-    so it is cached."""
+    128 (128-wide keys) takes chunks of 64 in 4-warp programs, whose row sums of A stay within a
+    warp: faster there, while the unnormalized call is faster in chunks of 128
+    (``hla2_h200_normalized_layers_fwd_layouts_k128.json``, ``hla2_h200_plain_fwd_layouts_k128.json``;
+    the numbers and the command in hla_fast/README.md, "The configuration rule"). The result is
+    immutable, so it is cached."""
     wide = K > TILE_MAX   # in key blocks (normalized on [v | 1]: no NORM walks)
     if takes_layers(T, K, V, dtype, False, training):
         width = max(b - a for a, b in key_blocks(K))
@@ -129,32 +127,25 @@ def takes_layers(T: int, K: int, V: int, dtype: torch.dtype, normalize: bool, tr
     """Whether the rule runs a call as first-order layers (``ChunkConfig.layers``): bf16, key and
     value tiles of one width, 64 or 128 (the heads measured), over more than SHORT_CHUNKS chunks of
     64, or training 128-wide heads at any length; keys wider than 128 (key blocks) at any length and
-    with values of any width; not ``normalize``: a stage whose values carry a
-    column of ones (HLA3's normalized second stage, V + 1 values; HLA2's own normalized calls carry
-    z beside W instead and ask without it, :func:`hla2_config`). Timed in one process
-    against the fused kernels' rule (bf16, B = 4, H = 16, forward / forward + backward, ms;
-    ``python benchmarks/ab_revision.py --rev dc71992 --dims 128,64 [--gates | --normalize]``,
-    ``--T 2048``; ``benchmarks/results/hla2_h200_ab_layers{,_gates,_normalize,_2k}.json``):
+    with values of any width; not ``normalize``: a stage whose values carry a column of ones (HLA3's
+    normalized second stage, V + 1 values; HLA2's own normalized calls carry z beside W instead and
+    ask without it, :func:`hla2_config`). Each was timed in one process against the fused kernels'
+    rule (hla_fast/README.md, "The configuration rule", with the commands):
 
-    * T = 32k, K = V = 128: 4.68 -> 3.11 and 21.0 -> 11.9; with log-gates 4.77 -> 3.39 and
-      23.9 -> 13.7; K = V = 64: 1.14 -> 1.02 and 5.22 -> 4.07; gated 1.35 -> 1.25 and 6.49 -> 5.01;
-      the training peak beyond the inputs 5.93 -> 5.37 GB at 128, 1.36 -> 1.88 GB at 64;
-    * normalized (the layers on [v | 1], one more value column): slower, 5.14 -> 8.66 and
-      24.8 -> 28.6 at K = V = 128, 1.50 -> 3.59 and 7.13 -> 17.1 at 64, so a stage on such values
-      keeps the fused kernels, which carry the ones column as z beside W;
-    * T = 2048: K = V = 64 0.16 -> 0.94 and 0.72 -> 1.70 (the fused rule's short layout: one
-      segment, three launches), K = V = 128 0.38 -> 0.47 and 1.75 -> 1.37;
+    * long sequences (T = 32k), K = V = 64 and 128, with and without log-gates: the layers are faster
+      in both passes; the training peak is lower at 128 and higher at 64
+      (``hla2_h200_ab_layers{,_gates}.json``);
+    * the layers on [v | 1] (one more value column) were slower, so a stage on such values keeps the
+      fused kernels, which carry the ones column as z beside W (``hla2_h200_ab_layers_normalize.json``);
+    * T = 2048: at K = V = 64 the fused rule's short layout (one segment, three launches) is faster;
+      at 128 the layers are faster for training and slower for an inference forward
+      (``hla2_h200_ab_layers_2k.json``);
     * heads of 129 to 256 key features, at any length: the layers in key blocks of at most 128
-      (:func:`key_block_layers_fwd`) against the fused kernels' 16 feature-block pairs, K = V = 256
-      (``--dims 256 --rev 2cce163``, ``--T 8192 [--gates]``,
-      ``--T 2048``; ``hla2_h200_ab_key_block_layers_{8k,8k_gates,2k}.json``): T = 8192 25.1 -> 3.61
-      and 159.6 -> 10.2, gated 26.7 -> 4.68 and 189.5 -> 11.7; T = 2048 6.59 -> 1.02 and
-      57.2 -> 2.67; the training peak beyond the inputs 3.49 -> 5.37 GB at T = 8192 (the blocks
-      of q, k and K' and each block's chunk states are kept). Normalized, the blocks' outer layers
-      run on [v | 1] (:func:`hla2_chunked`): T = 8192 41.4 -> 6.41 and 246.0 -> 20.5
-      (``--normalize``, ``hla2_h200_ab_key_block_layers_8k_normalize.json``). Narrower values
-      (``--V 128``, ``--V 64``; ``hla2_h200_ab_key_block_layers_8k_v{128,64}.json``): K = 256,
-      T = 8192, V = 128 16.0 -> 2.91 and 85.5 -> 8.80; V = 64 9.00 -> 2.96 and 37.1 -> 8.37."""
+      (:func:`key_block_layers_fwd`) are several times faster than the fused kernels' 16
+      feature-block pairs at K = V = 256, gated, normalized (the outer blocks on [v | 1],
+      :func:`hla2_chunked`) and with narrower values, at a higher training peak (the blocks of q, k
+      and K' and each block's chunk states are kept)
+      (``hla2_h200_ab_key_block_layers_{8k,8k_gates,2k,8k_normalize,8k_v128,8k_v64}.json``)."""
     BK, BV = pow2_block(K), pow2_block(V)
     if dtype != torch.bfloat16 or normalize:
         return False
@@ -182,19 +173,18 @@ def fused_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, dev
                  chunk_size: int | None = None, gated: bool = False, normalize: bool = False,
                  training: bool = False) -> ChunkConfig:
     """The layout of the fused kernels for one call, by the measurements in ``benchmarks/results/``
-    (summarized, with the numbers, in hla_fast/README.md, "The configuration rule"); a
-    ``chunk_size`` of None stands for DEFAULT_CHUNK (64); ``training``: autograd records the call
+    (the numbers, and what was tried and not kept, in hla_fast/README.md, "The configuration rule");
+    a ``chunk_size`` of None stands for DEFAULT_CHUNK (64); ``training``: autograd records the call
     (its forward keeps the chunk states for the backward):
 
     * heads up to 64 wide: chunks of ``chunk_size`` forward (at most FP32_MAX_CHUNK for fp32 and
-      fp16 inputs, whose tiles are fp32) and at most 64 backward; wider heads:
-      chunks of at most 32 in both passes (fewer live tiles a program), 16 for fp32 inputs
-      (``hla2_h200_first_call_rule.md``, ``hla2_h200_fp32_k128_chunk16.json``), but for bf16 keys
-      up to 64 wide with wider values, whose programs hold the tiles of K = V = 64 (values run in
-      blocks of 64) and take its chunks: at K = 64, V = 128, T = 32k forward + backward 14.2 against
-      18.1 ms, forward 2.18 against 2.64, peak 2.7 against 3.8 GB (``hla2_h200_layouts_k64_v128.json``),
-      and HLA3's normalized second stage (V + 1 = 65 values) 29.0 against 32.1 ms forward + backward
-      (``hla3_h200_second_stage_layouts_k64_normalize.json``);
+      fp16 inputs, whose tiles are fp32) and at most 64 backward; wider heads: chunks of at most 32
+      in both passes (fewer live tiles a program), 16 for fp32 inputs, whose tf32x3 products of
+      32-row tiles were the slowest compiles (``hla2_h200_first_call_rule.md``,
+      ``hla2_h200_fp32_k128_chunk16.json``); but bf16 keys up to 64 wide with wider values take the
+      chunks of K = V = 64, since their programs hold its tiles (values run in blocks of 64): faster
+      and a lower peak than chunks of 32 (``hla2_h200_layouts_k64_v128.json``, and HLA3's normalized
+      second stage, ``hla3_h200_second_stage_layouts_k64_normalize.json``);
     * forward value blocks of 64 columns; backward value blocks of ``bwd_value_width(K)``;
     * 4 warps for tiles up to 64 x 64, 8 above;
     * segments: as many as keep every program in one wave (two 4-warp programs or one 8-warp
@@ -203,61 +193,52 @@ def fused_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, dev
       fit in shared memory) (``hla2_h200_variants.md``, ``hla2_h200_segments.md``);
     * gradients from two launches, dq and (dk, dv) (``hla2_h200_variants.md``); three, dq, dk and
       dv, for a bf16 call both ``gated`` (log-gates g) and ``normalize``d with heads up to 64 wide,
-      whose (dk, dv) launch spilled 1.3 KB a thread by an sm_90 compile: 8.22 against 9.28 ms
-      forward + backward at K = V = 64, T = 32k, while gated alone took 6.30 against 6.31 and
-      normalized alone 6.88 against 6.90 (31.7 against 30.8 at K = V = 128)
+      whose (dk, dv) launch spilled registers by an sm_90 compile and was slower in one launch; gated
+      alone or normalized alone three launches did not pay
       (``hla2_h200_ab_gates_normalize_parts124.json``, ``hla2_h200_ab_gates_parts124.json``,
-      ``hla2_h200_ab_normalize_parts124.json``); for fp32 inputs
-      one launch per gradient: the tf32x3 products made the gradient kernel a first training
-      call's slowest compile, and a call's kernels compile in parallel (``hla2_h200_first_call_rule.md``,
-      ``compile_report.py``; ``hla2_h200_fp32_layouts_first.json`` for the 8-warp layout not taken);
+      ``hla2_h200_ab_normalize_parts124.json``); for fp32 inputs one launch per gradient: the
+      tf32x3 products made the gradient kernel a first training call's slowest compile, and a
+      call's kernels compile in parallel (``hla2_h200_first_call_rule.md``, ``compile_report.py``;
+      ``hla2_h200_fp32_layouts_first.json`` for the 8-warp layout not taken);
     * fp32 inputs with key tiles wider than 64: one forward segment (``fold_fits``: the fold of
       their segments does not fit in shared memory);
     * short sequences, at most SHORT_CHUNKS chunks, with heads up to 64 wide: one segment in both
       walks and, for bf16, every gradient in one launch (fp32 and fp16 inputs, whose tiles are fp32,
-      keep theirs: one launch of fp32 tiles needs 320 KB of shared memory): a training call launches
+      keep theirs: one launch of fp32 tiles would not fit in shared memory): a training call launches
       three kernels instead of eight, and there the host's work per launch outweighs the longer
       walk (``hla2_h200_short_layouts_first.md``, ``hla2_h200_short_layouts.md``);
     * the forward keeps its chunk-start states for the backward when both passes use one chunk
       size and the backward runs one value block (z's too when normalizing): it saves the
-      backward's recomputing walk (``hla2_h200_short_layouts.md``: at
-      K = V = 64, T = 32k 5.35 against 5.97 ms forward + backward in one run);
+      backward's recomputing walk (``hla2_h200_short_layouts.md``, rows ``seg_kept`` and
+      ``seg_recomputed``);
     * heads wider than 64 with a one-segment backward walk over at least BWD_PIECES_MIN_CHUNKS
       chunks walk it in BWD_PIECES pieces (``common.launch.rule_pieces``): the chunk-end state
-      gradients are kept for a quarter of the sequence at a time instead of all of it, which at
-      K = V = 128 is the difference between the training peak being 1.50x fla's and 1.13x at the
-      same speed (``hla2_h200_pieces.md``, ``hla2_h200_ab_pieces.json``);
+      gradients are kept for a quarter of the sequence at a time instead of all of it, which lowers
+      the training peak at K = V = 128 below 1.5x fla's at the same speed (``hla2_h200_pieces.md``,
+      ``hla2_h200_ab_pieces.json``);
     * a bf16 training forward of key tiles 128 wide over at least SPLIT_MIN_CHUNKS chunks, which
       stores its chunk states anyway: a state walk in SPLIT_ROW_BLOCKS row blocks of 4 warps, then
-      the outputs of every chunk at once (``fwd_output_pass``): forward + backward at K = V = 128
-      24.0 against 27.9 ms at T = 32k, 26.5 against 30.8 with log-gates, 6.15 against 7.19 at
-      T = 8k (``hla2_h200_split_forward_train_k128{,_gates,_8k}.json``); at K = V = 64 it did not
-      pay (5.14 against 5.19 ms forward + backward, 1.45 against 1.13 forward)
-      (``hla2_h200_split_forward_k64.json``). Its state walk and the backward's pipeline their
-      loads SPLIT_STAGES deep (``fwd_stages``, ``bwd_stages``): 21.8 against 23.4 ms at T = 32k,
-      24.6 against 26.6 gated (``hla2_h200_split_stages_k128{,_gates}.json``; the forward alone
-      at depth 2 took 22.6, at 4 22.7, at 3 22.4); at K = V = 64 neither pass gained (forward 1.14
-      and 1.68 against 1.13 ms at depths 2 and 3, forward + backward 5.24 and 5.20 against 5.18
-      with the backward's, ``hla2_h200_stages_k64.json``);
+      the outputs of every chunk at once (``fwd_output_pass``), faster at T = 8k and 32k, gated or
+      not (``hla2_h200_split_forward_train_k128{,_gates,_8k}.json``); at K = V = 64 it did not
+      pay (``hla2_h200_split_forward_k64.json``). Its state walk and the backward's pipeline their
+      loads SPLIT_STAGES deep (``fwd_stages``, ``bwd_stages``; depths 2 to 4 in
+      ``hla2_h200_split_stages_k128{,_gates}.json``); at K = V = 64 neither pass gained
+      (``hla2_h200_stages_k64.json``);
     * a bf16 inference forward of the same heads over at least TWO_WALKS_MIN_CHUNKS chunks of
       TWO_WALKS_CHUNK: split too, its state pass two walks (``fwd_two_walks``: S's alone in blocks,
       then W's reading S's stored chunk states), loads pipelined SPLIT_STAGES deep, in chunks of
-      TWO_WALKS_CHUNK: forward 4.79 against 6.02 ms at T = 32k, 1.21 against 1.51 at T = 8k,
-      4.88 against 6.55 gated, 5.23 against 8.23 normalized (``hla2_h200_ab_two_walks_k128{,_8k,
-      _gates,_normalize}.json``, against the one walk in chunks of 32). The one-walk split took
-      6.34 ms unpipelined (``hla2_h200_split_forward_k128.json``), 5.26 pipelined and 6.47 in
-      chunks of 64, whose row blocks spill; two walks in chunks of 32 took 5.66
-      (``hla2_h200_split_stages_k128.json``, ``hla2_h200_two_walks_stages_k128.json``). Not
-      taken for values in two backward value blocks (``keep``: HLA3's normalized second stage,
-      whose forward took 20.7 against 18.7 ms, ``hla3_h200_ab_two_walks_k128_normalize_unkept.json``),
-      nor at K = V = 64, where it walks one segment (1.91 against 1.14 ms,
-      ``hla2_h200_two_walks_k64.json``). The call stores the chunk states (2.1 GB at B = 4,
-      H = 16, T = 32k) until it returns;
+      TWO_WALKS_CHUNK, faster than one walk in chunks of 32, gated, normalized and at T = 8k too
+      (``hla2_h200_ab_two_walks_k128{,_8k,_gates,_normalize}.json``; the one-walk splits and other
+      depths in ``hla2_h200_split_forward_k128.json``, ``hla2_h200_split_stages_k128.json``,
+      ``hla2_h200_two_walks_stages_k128.json``). Not taken for values in two backward value blocks
+      (``keep``: HLA3's normalized second stage, slower, ``hla3_h200_ab_two_walks_k128_normalize_unkept.json``),
+      nor at K = V = 64, where it walks one segment (slower, ``hla2_h200_two_walks_k64.json``). The
+      call stores the chunk states (B * H * T / TWO_WALKS_CHUNK states of K x (K + V) in bf16) until
+      it returns;
     * a split forward's output pass in value blocks of up to OUTPUT_BLOCK_V columns, so that each
-      chunk's S is read and Q S0 formed once for all 128 values instead of once per 64: at
-      K = V = 128, T = 32k forward + backward 20.9 against 21.8 ms, normalized 24.6 against 25.5,
-      inference forward 4.67 against 4.75 (``hla2_h200_ab_output_block_k128{,_normalize}.json``);
-      by an sm_90 compile no layout of the rule spills in it (``benchmarks/compile_report.py``).
+      chunk's S is read and Q S0 formed once for all 128 values instead of once per 64: faster in
+      both passes, normalized too (``hla2_h200_ab_output_block_k128{,_normalize}.json``); by an sm_90
+      compile no layout of the rule spills in it (``benchmarks/compile_report.py``).
     Off CUDA (the interpreter) every walk is one segment. K is the width of one program's key
     tile (a feature block of a wider head). The result is immutable, so it is cached per shape."""
     chunk_size = chunk_or_default(chunk_size)
@@ -286,7 +267,7 @@ def fused_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, dev
         # a short sequence: host work per launch outweighs a longer walk
         fwd_seg = bwd_seg = 1
         if dtype == torch.bfloat16:
-            grad_parts = (7,)   # fp32 tiles (fp32 and fp16 inputs) would need 320 KB of shared memory
+            grad_parts = (7,)   # fp32 tiles (fp32 and fp16 inputs) would not fit in shared memory
     long_wide = dtype == torch.bfloat16 and pow2_block(K) > 64 and fwd_seg == 1
     split = training and keep and long_wide and n_fwd >= SPLIT_MIN_CHUNKS
     two_walks = (not training and keep and long_wide and chunk_size >= TWO_WALKS_CHUNK

@@ -36,10 +36,10 @@ G, g1, g2, gl, gC of ``hla_fast/ops/common/gates.py``):
 
 Gates: the chunk's cumulative log-gates are row sums for chunks of up to 32 rows (``chunk_beta``'s
 ROW_SUMS) and a scan for longer ones. With the scan the gated per-chunk gradient kernel at
-K = V = 128 (chunks of 32, 8 warps) spilled 384 and 780 bytes a thread in its two launches by an
-sm_90 compile, with row sums 20 and 268, and a gated forward + backward took 29.8 against 34.5 ms
+K = V = 128 (chunks of 32, 8 warps) spilled more registers a thread in its two launches by an sm_90
+compile than with row sums, and a gated forward + backward was slower
 (``benchmarks/results/hla2_h200_ab_row_sums.json``); on chunks of 64 the [64, 64] tile of the sums
-costs the 4-warp walks registers (the forward spilled 980 bytes against 324), and HLA3's kernels
+costs the 4-warp walks registers (the forward spilled more with them), and HLA3's kernels
 (chunks of 32 in 4 warps) spilled more with them, so both keep the scan there. Between their uses
 the decay tiles are held in fp16 for bf16 dots (``held_decays``).
 
@@ -578,8 +578,8 @@ def _bwd_chunk_grads(
     c_dn = cast(b_dn, IS_BF16)
     c_dnt = cast(b_dnt, IS_BF16)
     # the products of dN with G's tiles first, so that G and A die here: dX = (dN Xm^T) o G,
-    # ((dN^T A) o L) and dN^T diag(g1) Q S0 (a dq launch spilled 536 bytes a thread with gates
-    # when they waited for the dV block, 124 now: benchmarks/results/compile_hla2_bf16_k64_gates_cpu.md)
+    # ((dN^T A) o L) and dN^T diag(g1) Q S0 (a dq launch with gates spilled more registers a thread
+    # when they waited for the dV block: benchmarks/results/compile_hla2_bf16_k64_gates_cpu.md)
     b_dx = tl.dot(c_dn, c_xm, input_precision=PREC) * G
     b_dx2 = tl.where(lower, dot(c_dnt, b_a, IS_BF16, PREC), 0.0)
     b_dnq2 = dot(c_dnt, b_qs * g1[:, None], IS_BF16, PREC)

@@ -79,8 +79,8 @@ def hla2_step_triton(q, k, v, state, g, gamma, normalize, eps):
     BK, BV = max(16, next_pow2(K)), max(16, next_pow2(V))
     # rows of S and W per step of a program's walk (one program a head, so the output is finished
     # in-kernel and a step is one launch): the 32 of the earlier kernel, which split the rows over
-    # programs (87% of copy bandwidth against 85% for 16 and 78% for 8 there); the walk moves its
-    # state at 80% a call, 84% from a CUDA graph (benchmarks/results/hla2_h200_decode.md)
+    # programs (closer to copy bandwidth there than 16 or 8); the walk's share of copy bandwidth, a
+    # call and replayed from a CUDA graph, is in benchmarks/results/hla2_h200_decode.md
     BR = min(32 if max(BK, BV) <= 128 else 8, BK)
     q, k, v, g = step_inputs(q, k, v, g)
     (S, W, z), (s_out, w_out, z_out) = step_state_buffers(state, normalize, ("z",))

@@ -29,8 +29,8 @@ final state's share.
 Why two stages. The kernels this replaced walked both stages in one program per head and chunk, with
 three states and R recomputed in the backward; the per-chunk gradient program held some twenty tiles
 and spilled kilobytes. Timed in one process against them (bf16, B = 4, H = 16, T = 32k, K = V = 64,
-``benchmarks/results/hla3_h200_ab_staged.json``): forward 3.35 -> 1.79 ms, forward + backward
-29.4 -> 7.69 ms, the training peak beyond the inputs 6.7 -> 1.9 GB (hla_fast/README.md, third order).
+``benchmarks/results/hla3_h200_ab_staged.json``) the two stages are faster forward and forward +
+backward and leave a smaller training peak beyond the inputs (numbers in hla_fast/README.md, third order).
 
 The second stage as two first-order layers (``ChunkConfig.layers``, HLA2's at rate 2; the rule takes
 them where HLA2's does). The second stage's weight splits at u as HLA2's does at its inner index,
@@ -92,8 +92,8 @@ def hla3_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     B = 4, H = 16, T = 32k, ``benchmarks/results/hla3_h200_ab_layers.json``; numbers in
     hla_fast/README.md, third order). ``gated``: the call has log-gates g; ``training``: autograd
     records the call (HLA2's fused rule then splits a long bf16 forward of 128-wide keys, whose
-    chunk states the backward keeps anyway: forward + backward 33.0 -> 29.6 ms at K = V = 128,
-    T = 32k, bit-identical, ``benchmarks/results/hla3_h200_ab_split_second_stage.json``; that
+    chunk states the backward keeps anyway: faster forward + backward at K = V = 128, T = 32k,
+    bit-identical, ``benchmarks/results/hla3_h200_ab_split_second_stage.json``; that
     rule's layout at K = V = 64 was the fastest of those swept,
     ``hla3_h200_second_stage_layouts_k64.json``); ``normalize``: the call normalizes (the layers
     are not taken). V: the values the kernels see (V + 1 when normalizing). Without layers the
@@ -152,10 +152,10 @@ def first_stage_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtyp
     """The default layout of the first stage: AHLA's rule (``ahla.chunk.ahla_config``), whose
     forward walk it runs without the second layer and whose layer kernels give its backward
     (``training``: the forward will be differentiated). Timed in one process against HLA2's rule
-    for both stages (bf16, B = 4, H = 16, T = 32k, ``benchmarks/results/hla3_h200_ab_first_stage.json``):
-    forward 1.79 -> 1.65 ms at K = V = 64 (AHLA's walk loads ahead there) and 9.56 -> 8.24 ms at
-    128 (chunks of 64 in 4 warps instead of HLA2's 32 in 8), forward + backward 7.57 -> 7.43 and
-    34.5 -> 32.1 ms. A ``chunk_size`` of None is DEFAULT_CHUNK here: AHLA's rule would run a bf16
+    for both stages (bf16, B = 4, H = 16, T = 32k, ``benchmarks/results/hla3_h200_ab_first_stage.json``;
+    numbers in hla_fast/README.md, third order): faster forward and forward + backward at K = V = 64
+    (AHLA's walk loads ahead there) and at 128 (chunks of 64 in 4 warps instead of HLA2's 32 in 8).
+    A ``chunk_size`` of None is DEFAULT_CHUNK here: AHLA's rule would run a bf16
     inference forward of 128-wide keys in chunks of 128, measured for AHLA's walk with its second
     layer, not for this one. Without ``bwd_prefetch``, which AHLA's rule gives its own backward walk
     at 128-wide keys: this stage's backward runs the per-layer kernels, which do not load ahead (so
