@@ -226,6 +226,14 @@ def test_chunk_sums_are_the_chunk_local_cumsum(T, H, chunk, device, poison):
     assert torch.allclose(got.double().cpu(), want, rtol=chunk * 2.0 ** -24, atol=0)
 
 
+def test_chunk_sums_of_no_gates_are_none():
+    """Without log-gates (a constant decay or none) there are no sums to read: ``chunk_sums``
+    returns None, which the kernels' heuristics take as HAS_G = False."""
+    from hla_fast.ops.common.cumsum import chunk_sums
+
+    assert chunk_sums(None, 64) is None
+
+
 @pytest.mark.parametrize("stages", [1, 2])
 def test_walks_read_the_gate_sums_ahead_or_in_step(stages, device, poison):
     """The forward walk and its segment summaries read each next chunk's gate sums a step ahead

@@ -293,7 +293,7 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
         p0 = torch.zeros(B, H, K, V, device=dev, dtype=f32) if p0 is None else p0
         p20 = torch.zeros(B, H, K, V2, device=dev, dtype=f32) if p20 is None else p20
     h0, h02 = (p0, e0, pn0, en0), p20
-    gc = None if g is None else chunk_sums(g, chunk, launch=launch)   # the walks read beta (common.cumsum)
+    gc = chunk_sums(g, chunk, launch=launch)   # the walks read beta (common.cumsum)
     if nseg > 1:
         # -- the summaries from a zero state of every segment but the last (no start state follows
         #    it), then every segment's start state ---------------------------------------------------
@@ -379,7 +379,7 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
     cs_p, cs_e = states[:2]
     flags, lg = _common(q, gamma, g)
     common = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, num_warps=nw, num_stages=cfg.bwd_stages, **flags)
-    gc = None if g is None else chunk_sums(g, BT, launch=launch)   # every kernel below reads beta
+    gc = chunk_sums(g, BT, launch=launch)   # every kernel below reads beta
     has_dht = dht_p is not None or dht_e is not None
     if has_dht:
         dht_p = torch.zeros(B, H, K, V, device=dev, dtype=f32) if dht_p is None else dht_p.float().contiguous()
@@ -502,7 +502,7 @@ def _layer_bwd(q, k, x, dy, g, gamma, h0, dht, want_dh0, cfg: ChunkConfig, norm,
         dz_end = torch.empty(BH, NT, K, device=dev, dtype=f32)
         dz0 = torch.empty(B, H, K, device=dev, dtype=f32) if want_dh0 else None
         dzt = None if dzt is None else dzt.float().contiguous()
-    gc = None if g is None else chunk_sums(g, BT, launch=launch)   # both kernels read beta (common.cumsum)
+    gc = chunk_sums(g, BT, launch=launch)   # both kernels read beta (common.cumsum)
     launch(ahla_bwd_dh_kernel, (cdiv(V, BV), cdiv(K, BKW), BH), q=q, dy=dy, gc=gc, dh_end=dh_end, dht=dht, dh0=dh0,
            dd=dd, dz_end=dz_end, dzt=dzt, dz0=dz0, log_gamma=lg, T=T, BK=BKW, num_warps=DH_WARPS,
            num_stages=DH_STAGES, **kw)

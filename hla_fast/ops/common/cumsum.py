@@ -44,9 +44,12 @@ def chunk_sums_kernel(
     tl.store(gc + rows[None, :] + t[:, None], beta, mask=mh[None, :])
 
 
-def chunk_sums(g: torch.Tensor, chunk: int, launch=launch_kernel) -> torch.Tensor:
+def chunk_sums(g: torch.Tensor | None, chunk: int, launch=launch_kernel) -> torch.Tensor | None:
     """The chunk-local cumulative sums of g [B, T, H] (contiguous) in chunks of
-    ``chunk`` rows: fp32 [B * H, NT * chunk] (the module docstring's layout)."""
+    ``chunk`` rows: fp32 [B * H, NT * chunk] (the module docstring's layout); None for a g of
+    None (a constant decay or none, which the kernels form themselves)."""
+    if g is None:
+        return None
     B, T, H = g.shape
     NT = cdiv(T, chunk)
     gc = torch.empty(B * H, NT * chunk, device=g.device, dtype=torch.float32)
