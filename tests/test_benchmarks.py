@@ -82,7 +82,8 @@ def load(name):
                                           ("bench_hla2", "hla2_h200_split_rule_k128"),
                                           ("bench_ahla", "ahla_h200_chunk128_calls"),
                                           ("walk_rows", "ahla_h200_chunk128"),
-                                          ("compile_report", "compile_ahla_bf16_k128_fwd_chunk128_w8_stages2_cpu")])
+                                          ("compile_report", "compile_ahla_bf16_k128_fwd_chunk128_w8_stages2_cpu"),
+                                          ("bf16_gradients", "bf16_gradients_cpu")])
 def test_recorded_markdown_is_rendered_from_its_json(script, stem):
     with open(os.path.join(RESULTS, stem + ".json")) as f:
         res = json.load(f)
@@ -126,6 +127,25 @@ def test_ahla_variants_named_on_the_command_line(tmp_path):
                           "--sections", "variants", "--variants", "rule,no_prefech", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert bad.returncode == 2 and "--variants: unknown layouts ['no_prefech']" in bad.stderr
+
+
+def test_bf16_gradients_runs_on_the_interpreter(tmp_path):
+    script = os.path.join(ROOT, "benchmarks", "bf16_gradients.py")
+    run = subprocess.run([sys.executable, script, "--cpu", "--ops", "hla2", "--out", str(tmp_path), "--tag", "t"],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads((tmp_path / "bf16_gradients_t.json").read_text())
+    assert res["ops"] == ["hla2"] and set(res["rows"]["hla2"]) == {"False", "True"}
+    for row in res["rows"]["hla2"].values():
+        assert set(row) == {"triton", "torch"}
+        for errs in row.values():
+            assert set(errs) == {"o", "dq", "dk", "dv"}
+            # bf16 inputs, compared on the same rounded values: errors of bf16's order, never zero
+            assert all(0 < e < 5e-2 for e in errs.values()), errs
+    assert (tmp_path / "bf16_gradients_t.md").read_text() == load("bf16_gradients").render_markdown(res)
+    bad = subprocess.run([sys.executable, script, "--cpu", "--ops", "hla2,hla4", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert bad.returncode == 2 and "--ops: unknown operators ['hla4']" in bad.stderr
 
 
 def test_bench_hla3_refuses_an_unknown_section(tmp_path):

@@ -88,11 +88,19 @@ def test_gradients_match_float64(op, kind, normalize, init, device, poison):
     q, k, v = rand_qkv(B, T, H, K, V, seed=14, positive=normalize)
     dk = decay_kwargs(kind, B, T, H, seed=15)
     st0 = rand_state(op, B, H, K, V, normalize, seed=16) if init else None
-    gen = torch.Generator().manual_seed(17)
+    _assert_matches_float64(op, q, k, v, st0, dk, normalize, device, "triton", seed=17)
+
+
+def _assert_matches_float64(op, q, k, v, st0, dk, normalize, device, backend, seed):
+    """Outputs, final states and every gradient of a random linear loss (on o and on each final state
+    field) of an fp32 call on ``backend`` against the float64 torch path."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    gen = torch.Generator().manual_seed(seed)
     shapes = op.state_shapes(B, H, K, V, normalize)
     weights = [torch.randn(B, T, H, V, generator=gen, dtype=torch.float64)]
     weights += [None if s is None else torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes.values()]
-    o, fin, got = _loss_grads(op, q, k, v, st0, dk, normalize, torch.float32, device, "triton", weights)
+    o, fin, got = _loss_grads(op, q, k, v, st0, dk, normalize, torch.float32, device, backend, weights)
     o64, fin64, want = _loss_grads(op, q, k, v, st0, dk, normalize, torch.float64, "cpu", "torch", weights)
     assert set(got) == set(want)
     assert rel(o, o64) < TOL
@@ -102,6 +110,25 @@ def test_gradients_match_float64(op, kind, normalize, init, device, poison):
     for name in want:
         # dg is a reverse cumulative sum of differences of fp32 products: a few times fp32's rounding
         assert rel(got[name], want[name]) < (1e-4 if name == "dg" else TOL), name
+
+
+@OPS
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_gates_closing_hard_keep_fp32_precision(op, backend, normalize, device, poison):
+    """Log-gates of -1e4 and -1e9 (factors that underflow to 0) inside chunks of 16. Every later
+    decay of such a chunk is a difference of two sums near -1e4 or -1e9, which fp32 holds to 1e-3
+    or not at all; the fp32 paths floor each gate at GATE_FLOOR (hla_fast/ops/common/gates.py, "The
+    gate floor"), so outputs, final states and every gradient keep fp32's precision against the
+    float64 torch path, which takes the gates as they are (and is itself exact to ~3e-7 at -1e9)."""
+    B, T, H, K, V = 1, 45, 2, 12, 20
+    q, k, v = rand_qkv(B, T, H, K, V, seed=41, positive=normalize)
+    g = decay_kwargs("g", B, T, H, seed=42)["g"]
+    g[0, 5, 0] = -1e4      # early in chunk 0, one head
+    g[0, 20, :] = -1e9     # chunk 1, both heads
+    g[0, 38, 1] = -1e4     # chunk 2, and the last chunk is partial
+    st0 = rand_state(op, B, H, K, V, normalize, seed=43)
+    _assert_matches_float64(op, q, k, v, st0, {"g": g}, normalize, device, backend, seed=44)
 
 
 @OPS

@@ -34,6 +34,8 @@ def ahla(q, k, v, *, gamma=None, g=None, normalize=False, eps=1e-6, initial_stat
         gamma: None (no decay) or a float in (0, 1] (not a tensor that requires grad: use g).
         g: None or log-gates [B, T, H] (every value <= 0: the factor exp(g) in (0, 1] per token
             and head; flash-linear-attention's convention); exclusive with gamma. Differentiable.
+            Below float64, a value under -30 counts as -30 (a factor of 9e-14: the gate still
+            closes, and its chunk's later sums keep their digits; ``ops/common/gates.py``).
         normalize: divide by the denominator (den + eps). The denominator is a signed sum and
             can cross zero; there the output is ill-conditioned.
         eps: finite float >= 0.

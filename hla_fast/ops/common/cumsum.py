@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .compile import launch_kernel
 from .launch import cdiv, pow2_block
-from .tiles import sums_offset
+from .tiles import read_gates, sums_offset
 
 
 @triton.jit
@@ -30,15 +30,15 @@ def chunk_sums_kernel(
     H: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
 ):
     """One program per (chunk, batch): every head's beta = cumsum(g) over the chunk's rows
-    (0 added past T), read as one [BT, BH] tile of g's contiguous rows and stored at each head's
-    padded row (reference: ``gates.chunk_local_cumsum``)."""
+    (0 added past T; each g floored, ``tiles.read_gates``), read as one [BT, BH] tile of g's
+    contiguous rows and stored at each head's padded row (reference: ``gates.chunk_local_cumsum``)."""
     i_c, i_b = tl.program_id(0), tl.program_id(1)
     NT = tl.cdiv(T, BT)
     t = i_c * BT + tl.arange(0, BT)                                   # the chunk's tokens [BT]
     h = tl.arange(0, BH)                                              # heads [BH]
     mh = h < H
-    b_g = tl.load(g + i_b.to(tl.int64) * T * H + t[:, None] * H + h[None, :], mask=(t < T)[:, None] & mh[None, :],
-                  other=0.0).to(tl.float32)                           # [BT, BH], 0 past T
+    b_g = read_gates(g + i_b.to(tl.int64) * T * H + t[:, None] * H + h[None, :],
+                     (t < T)[:, None] & mh[None, :])                  # [BT, BH], 0 past T, floored
     beta = tl.cumsum(b_g, axis=0)                                     # [BT, BH], padded rows repeat the last
     rows = sums_offset(i_b * H + h, NT, BT)                           # each head's first element of gc
     tl.store(gc + rows[None, :] + t[:, None], beta, mask=mh[None, :])

@@ -19,12 +19,34 @@ overflowing:
 with L the chunk's last valid row. Padded rows (past T) get g = 0, so their beta equals beta_L.
 The kernels' side of this (``chunk_beta``, ``chunk_decays``) is in ``tiles.py``; this module is
 the host side and imports no Triton, so the torch backend runs without it.
+
+The gate floor. In fp32, beta keeps about seven significant digits of its own size, and a decay
+inside a chunk is a difference of two betas. One gate that closes hard (g_s = -1e4, say) leaves every
+later beta of its chunk near -1e4, where fp32's spacing is 1e-3: the decays between the tokens after
+it, which should be exact, would carry errors of 1e-3 (and of order 1 at -1e8). So every fp32 path
+(the kernels, and the torch backend below float64) reads each log-gate as max(g, GATE_FLOOR), with
+GATE_FLOOR = -30 (``gate_floor``): a factor across a floored gate is at most e^-30 ~ 9e-14, far below
+fp32's resolution of 6e-8, so the gate still cuts the context, and a later beta moves by at most 30
+per floored gate, which costs its decays at most ~2e-6 relative (as 30 tokens of gates -1 would).
+The float64 torch path reads g as given. A decode step multiplies by exp(g) itself (no difference of
+sums) and needs no floor. The gradient of a floored gate is that of the floor value (about e^-30
+times the others: zero to fp32 precision, as the exact one is).
 """
 from __future__ import annotations
 
 import math
 
 import torch
+
+
+# the smallest log-gate an fp32 path uses (module docstring, "The gate floor")
+GATE_FLOOR = -30.0
+
+
+def gate_floor(g: torch.Tensor) -> torch.Tensor:
+    """g as an fp32 path sums it: max(g, GATE_FLOOR); float64 log-gates as they are (module
+    docstring, "The gate floor"). Differentiable (zero gradient below the floor)."""
+    return g if g.dtype == torch.float64 else g.clamp_min(GATE_FLOOR)
 
 
 def log_gamma(gamma) -> float:
@@ -50,10 +72,11 @@ def call_gates(g, gamma, q: torch.Tensor):
 def chunk_local_cumsum(g: torch.Tensor, chunk: int) -> torch.Tensor:
     """beta [B, H, NT, C] from log-gates g [B, T, H]: the cumulative sum inside each chunk of
     ``chunk`` tokens. Padding past T adds 0, so padded rows repeat the chunk's last beta.
-    Differentiable (the torch backend relies on autograd through it)."""
+    Differentiable (the torch backend relies on autograd through it). Below float64, each g is
+    floored first (:func:`gate_floor`), as the kernels do."""
     B, T, H = g.shape
     NT = -(-T // chunk)
-    x = g.transpose(1, 2)
+    x = gate_floor(g).transpose(1, 2)
     if NT * chunk != T:
         x = torch.nn.functional.pad(x, (0, NT * chunk - T))
     return x.reshape(B, H, NT, chunk).cumsum(-1)

@@ -10,6 +10,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .gates import GATE_FLOOR
+
+# the smallest log-gate the kernels sum (``gates.py``, "The gate floor")
+FLOOR: tl.constexpr = tl.constexpr(GATE_FLOOR)
+
 
 @triton.jit
 def cast(x, IS_BF16: tl.constexpr):
@@ -154,6 +159,14 @@ def store_step_output(o, i_bh, rv, mv, b_num, b_den, eps, V: tl.constexpr, NORM:
 
 
 @triton.jit
+def read_gates(ptrs, mask):
+    """Log-gates at ``ptrs`` as the kernels sum them: fp32, 0 where masked off, floored at
+    FLOOR (``gates.py``, "The gate floor": a harder gate would cost the later sums of its chunk
+    their digits)."""
+    return tl.maximum(tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), FLOOR)
+
+
+@triton.jit
 def chunk_beta(g, g_off, log_gamma, t, mt, H: tl.constexpr, BT: tl.constexpr,
                HAS_G: tl.constexpr, HAS_DECAY: tl.constexpr, ROW_SUMS: tl.constexpr = False,
                HOIST: tl.constexpr = False):
@@ -176,7 +189,7 @@ def chunk_beta(g, g_off, log_gamma, t, mt, H: tl.constexpr, BT: tl.constexpr,
     factors meet data, and every factor stays finite (the exponents kept are <= 0). Taken by the
     kernels of ``ahla/chunk_kernels.py``; measured in hla_fast/README.md ("Constant decay")."""
     if HAS_G:
-        b_g = tl.load(g + g_off + t * H, mask=mt, other=0.0).to(tl.float32)  # [BT], 0 past T
+        b_g = read_gates(g + g_off + t * H, mt)                                 # [BT], 0 past T
         if ROW_SUMS:
             rt = tl.arange(0, BT)
             beta = tl.sum(tl.where(rt[:, None] >= rt[None, :], b_g[None, :], 0.0), axis=1)

@@ -39,6 +39,7 @@ def hla3(q, k, v, *, gamma=None, g=None, normalize=False, eps=1e-6, initial_stat
         v: [B, T, H, V], same dtype and device as q.
         gamma: None (no decay) or a float in (0, 1] (not a tensor that requires grad: use g).
         g: None or log-gates [B, T, H] (every value <= 0); exclusive with gamma. Differentiable.
+            Below float64, a value under -30 counts as -30 (``ops/common/gates.py``).
         normalize: divide by the denominator (den + eps). The denominator is a signed sum and
             can cross zero; there the output is ill-conditioned.
         eps: finite float >= 0.
