@@ -96,8 +96,8 @@ def render_markdown(res):
     for name in res["ops"]:
         for normalize, row in res["rows"][name].items():
             for backend, e in row.items():
-                lines.append(f"| {name} | {normalize} | {backend} | " + " | ".join(f"{e[n]:.1e}" for n in ("o",) + GRADS)
-                             + " |")
+                errs = " | ".join(f"{e[n]:.1e}" for n in ("o",) + GRADS)
+                lines.append(f"| {name} | {normalize} | {backend} | {errs} |")
     if res.get("command"):
         lines += ["", f"Command: `{res['command']}`"]
     return "\n".join(lines) + "\n"
@@ -107,7 +107,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--tag", default=None, help="files bf16_gradients_<tag>.json/md (default: h200, or cpu with --cpu)")
-    ap.add_argument("--cpu", action="store_true", help="small shapes on the CPU, the kernels through Triton's interpreter")
+    ap.add_argument("--cpu", action="store_true",
+                    help="small shapes on the CPU, the kernels through Triton's interpreter")
     ap.add_argument("--ops", default=",".join(OPS), help="comma list of operators")
     ap.add_argument("--render", default=None, help="only re-render the markdown of a stored JSON record")
     args = ap.parse_args()

@@ -234,6 +234,36 @@ def test_chunk_sums_of_no_gates_are_none():
     assert chunk_sums(None, 64) is None
 
 
+@pytest.mark.parametrize("op, rates", [("ahla", 1), ("hla2", 2), ("hla3", 2)])
+@pytest.mark.parametrize("bwd_chunk", [16, 32])
+def test_a_gated_training_call_sums_each_rate_once(op, rates, bwd_chunk):
+    """A call's walks share its gate sums (``common.cumsum.GateSums``): a gated training call of AHLA
+    computes them once, HLA2 as first-order layers once for each layer's rate (g and 2 g), HLA3 as
+    layers once for g (its first stage and K') and once for 3 g, over the forward, the backward
+    and, when the backward walks other chunks than the forward, the walks that recompute the states
+    at those (then once more, at that chunk size). Recorded launches."""
+    from hla_fast.ops.common.compile import Recorder
+    from hla_fast.ops.common.cumsum import chunk_sums_kernel
+
+    hla2_chunk = importlib.import_module("hla_fast.ops.hla2.chunk")
+    hla3_chunk = importlib.import_module("hla_fast.ops.hla3.chunk")
+    B, T, H, K = 1, 40, 2, 16
+    q, k, v = (x.requires_grad_() for x in rand_qkv(B, T, H, K, K, seed=3))
+    g = rand_gates(B, T, H, seed=4).requires_grad_()
+    rule = chunk.ahla_config if op == "ahla" else hla2_chunk.layers_config
+    cfg = rule(B, T, H, K, K, torch.float32, torch.device("cpu"), 16, training=True).replace(bwd_chunk=bwd_chunk)
+    rec = Recorder()
+    if op == "ahla":
+        o = chunk.ahla_chunked(q, k, v, g, None, None, None, None, None, False, 0.0, config=cfg, launch=rec)[0]
+    elif op == "hla2":
+        o = hla2_chunk.hla2_chunked(q, k, v, g, None, None, None, None, False, 0.0, config=cfg, launch=rec)[0]
+    else:
+        o = hla3_chunk.hla3_chunked(q, k, v, g, None, None, False, 0.0, config=cfg, launch=rec)[0]
+    o.backward(torch.ones_like(o))   # nothing ran: the recorded launches are what counts
+    sums = sum(kernel is chunk_sums_kernel for kernel, _, _ in rec.launches)
+    assert sums == rates * (1 if bwd_chunk == cfg.fwd_chunk else 2)
+
+
 @pytest.mark.parametrize("stages", [1, 2])
 def test_walks_read_the_gate_sums_ahead_or_in_step(stages, device, poison):
     """The forward walk and its segment summaries read each next chunk's gate sums a step ahead

@@ -23,8 +23,10 @@ A walk carries one state's gradient, not two coupled ones, so it splits over key
 With ``config.fwd_prefetch`` / ``config.bwd_prefetch`` the forward's / backward's walks load each
 next chunk's tiles while computing the current one (PREFETCH in ``chunk_kernels.py``).
 
-Gates: every launcher first writes the log-gates' chunk-local sums at its chunk size
-(``common.cumsum.chunk_sums``), which its kernels read.
+Gates: every launcher first gets the log-gates' chunk-local sums at its chunk size, which its
+kernels read (``common.cumsum``). Where a launcher's ``g`` is a tensor it writes them
+(``chunk_sums``); the autograd Functions pass the call's ``GateSums`` instead, so a call computes the
+sums of one chunk size once for its forward, its backward and any recompute (``sums_at``).
 
 Normalization: the forward carries the denominator's state (p, e) beside (P, E) and divides
 in-kernel. The backward differentiates the unnormalized operator on the value [v | 1] with the
@@ -47,7 +49,7 @@ from torch.autograd.function import once_differentiable
 
 from ..common.compile import compile_ahead, launch_kernel
 from ..common.config import DEFAULT_CHUNK, ChunkConfig, refuse_layers, refuse_split_forward
-from ..common.cumsum import chunk_sums
+from ..common.cumsum import GateSums, sums_at
 from ..common.gates import log_gamma, log_gate_grad
 from ..common.normalize import with_column, with_ones
 from ..common.launch import (
@@ -250,7 +252,7 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
                second=True, v2=None, p20=None, launch=launch_kernel):
     """Run the forward walk (after the segment summaries and fold when ``segments > 1``).
 
-    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] or None; all contiguous. p0, e0: fp32
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H], its GateSums or None; all contiguous. p0, e0: fp32
     [B, H, K, V] or None; pn0, en0: fp32 [B, H, K] or None (zeros when normalizing from a state
     without them). outputs: compute o (else only states). normalize: carry (p, e) and divide by
     (den + eps). snapshots: None, or the dtype to store every chunk-start state (P, E) in.
@@ -293,7 +295,7 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
         p0 = torch.zeros(B, H, K, V, device=dev, dtype=f32) if p0 is None else p0
         p20 = torch.zeros(B, H, K, V2, device=dev, dtype=f32) if p20 is None else p20
     h0, h02 = (p0, e0, pn0, en0), p20
-    gc = chunk_sums(g, chunk, launch=launch)   # the walks read beta (common.cumsum)
+    gc = sums_at(g, chunk, launch)   # the walks read beta (common.cumsum)
     if nseg > 1:
         # -- the summaries from a zero state of every segment but the last (no start state follows
         #    it), then every segment's start state ---------------------------------------------------
@@ -356,7 +358,7 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
                launch=launch_kernel):
     """Gradients of the unnormalized operator.
 
-    q, k: [B, T, H, K]; v, do: [B, T, H, V]; g: [B, T, H] or None; p0, e0: fp32 initial state
+    q, k: [B, T, H, K]; v, do: [B, T, H, V]; g: [B, T, H], its GateSums or None; p0, e0: fp32 initial state
     [B, H, K, V] or None; dht_p, dht_e: gradient of the final state (fp32 [B, H, K, V]) or None.
     states: what a forward with chunk ``cfg.bwd_chunk`` kept, (cs_p, cs_e, R or None) (R with
     ``cfg.bwd_layers``), or None to recompute them. want_db: also return dL/db [B, T, H] fp32
@@ -379,7 +381,7 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
     cs_p, cs_e = states[:2]
     flags, lg = _common(q, gamma, g)
     common = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, num_warps=nw, num_stages=cfg.bwd_stages, **flags)
-    gc = chunk_sums(g, BT, launch=launch)   # every kernel below reads beta
+    gc = sums_at(g, BT, launch)   # every kernel below reads beta
     has_dht = dht_p is not None or dht_e is not None
     if has_dht:
         dht_p = torch.zeros(B, H, K, V, device=dev, dtype=f32) if dht_p is None else dht_p.float().contiguous()
@@ -452,7 +454,7 @@ def layer_bwd(q, k, x, dy, g, gamma, h0, dht, want_dh0, cfg: ChunkConfig, *, dq_
     giving every chunk's end-state gradient (``ahla_bwd_dh_kernel``, programs over key blocks of
     at most DH_BLOCK_K and value blocks), then every chunk's gradients (``ahla_bwd_layer_kernel``).
 
-    q, k: [B, T, H, K]; x, dy: [B, T, H, V]; g: [B, T, H] or None; h0: the layer's chunk-start
+    q, k: [B, T, H, K]; x, dy: [B, T, H, V]; g: [B, T, H], its GateSums or None; h0: the layer's chunk-start
     states [B*H, NT, K, V] at chunk ``cfg.bwd_chunk``; dht: the final state's gradient (fp32
     [B, H, K, V]) or None; want_dh0: also the initial state's. dq_in, dk_in: another layer's dq, dk
     (q's dtype; may be the tensors returned) added before storing. want_db: dL/db [B, T, H] fp32
@@ -502,7 +504,7 @@ def _layer_bwd(q, k, x, dy, g, gamma, h0, dht, want_dh0, cfg: ChunkConfig, norm,
         dz_end = torch.empty(BH, NT, K, device=dev, dtype=f32)
         dz0 = torch.empty(B, H, K, device=dev, dtype=f32) if want_dh0 else None
         dzt = None if dzt is None else dzt.float().contiguous()
-    gc = chunk_sums(g, BT, launch=launch)   # both kernels read beta (common.cumsum)
+    gc = sums_at(g, BT, launch)   # both kernels read beta (common.cumsum)
     launch(ahla_bwd_dh_kernel, (cdiv(V, BV), cdiv(K, BKW), BH), q=q, dy=dy, gc=gc, dh_end=dh_end, dht=dht, dh0=dh0,
            dd=dd, dz_end=dz_end, dzt=dzt, dz0=dz0, log_gamma=lg, T=T, BK=BKW, num_warps=DH_WARPS,
            num_stages=DH_STAGES, **kw)
@@ -516,7 +518,7 @@ def layer_fwd(q, k, v, g, gamma, p0, cfg: ChunkConfig, *, keep_states=False, lau
     """One first-order layer R = LA(Q, K, V) from state P0 (the forward walk without its second
     layer: ``ahla_fwd_kernel`` without HAS_E), in ``cfg``'s forward layout.
 
-    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] or None (contiguous); p0: fp32 [B, H, K, V]
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H], its GateSums or None (contiguous); p0: fp32 [B, H, K, V]
     or None. keep_states: also the chunk-start states at chunk ``cfg.fwd_chunk`` for
     :func:`layer_bwd` (in the snapshots' dtype). Returns (R [B, T, H, V] (v's dtype), P_T fp32
     [B, H, K, V], cs_p [B*H, NT, K, V] or None)."""
@@ -548,7 +550,7 @@ def layer_pair_fwd(q, k, v, v2, g, gamma, p0, p20, cfg: ChunkConfig, *, keep_sta
     chunk's Q and K once and forms one A = (Q K^T) o G for both. Third order's R and K' (V2 = K,
     ``ChunkConfig.fwd_shared_walk``).
 
-    q, k: [B, T, H, K]; v: [B, T, H, V]; v2: [B, T, H, V2]; g: [B, T, H] or None (contiguous); p0,
+    q, k: [B, T, H, K]; v: [B, T, H, V]; v2: [B, T, H, V2]; g: [B, T, H], its GateSums or None (contiguous); p0,
     p20: fp32 [B, H, K, V], [B, H, K, V2] or None. keep_states: as :func:`layer_fwd`'s, each layer's.
     Returns (R, R2 (the values' dtypes), P_T, P2_T fp32, cs_p, cs_p2 ([B*H, NT, K, .]) or None)."""
     r, _, PT, _, _, _, cs, (r2, PT2, cs2) = fwd_launch(
@@ -560,7 +562,7 @@ def layer_pair_fwd(q, k, v, v2, g, gamma, p0, p20, cfg: ChunkConfig, *, keep_sta
 
 def ahla_fwd(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg: ChunkConfig, keep_states=False,
              launch=launch_kernel):
-    """The forward pass: q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] or None (contiguous);
+    """The forward pass: q, k [B, T, H, K], v [B, T, H, V], g [B, T, H], its GateSums or None (contiguous);
     p0, e0 fp32 [B, H, K, V] or None; pn0, en0 fp32 [B, H, K] or None; gamma a float or None.
     keep_states: store the chunk-start states for :func:`ahla_bwd` (only without normalize and
     when ``cfg.fwd_chunk == cfg.bwd_chunk``; else nothing is kept), and with ``cfg.bwd_layers``
@@ -630,12 +632,13 @@ class AHLAChunkFunction(torch.autograd.Function):
         # state's cotangents are [B, H, K, K]-sized: zeros would cost memory and a walk from zero)
         ctx.set_materialize_grads(False)
         grads = any(ctx.needs_input_grad[:8])
-        o, den, PT, ET, pT, eT, cs_p, cs_e, r = ahla_fwd(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg,
+        sums = None if g is None else GateSums(g, launch=launch)   # the gate sums, shared with the backward
+        o, den, PT, ET, pT, eT, cs_p, cs_e, r = ahla_fwd(q, k, v, sums, p0, e0, pn0, en0, gamma, normalize, eps, cfg,
                                                          keep_states=grads and cfg.save_states, launch=launch)
         # the final state is read back only for the log-gates' gradient (its own factor e^{b_T})
         final = (PT, ET, pT, eT) if g is not None and ctx.needs_input_grad[3] else (None,) * 4
         ctx.save_for_backward(q, k, v, g, p0, e0, pn0, en0, o if normalize else None, den, *final, cs_p, cs_e, r)
-        ctx.gamma, ctx.normalize, ctx.eps, ctx.cfg, ctx.launch = gamma, normalize, eps, cfg, launch
+        ctx.gamma, ctx.normalize, ctx.eps, ctx.cfg, ctx.launch, ctx.sums = gamma, normalize, eps, cfg, launch, sums
         return o, PT, ET, pT, eT
 
     @staticmethod
@@ -644,7 +647,7 @@ class AHLAChunkFunction(torch.autograd.Function):
         q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, r = ctx.saved_tensors
         want_dg = g is not None and ctx.needs_input_grad[3]
         dq, dk, dv, dg, dP0, dE0, dp0, de0 = ahla_bwd(
-            q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, r, do, dPT, dET, dpT, deT,
+            q, k, v, ctx.sums, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, r, do, dPT, dET, dpT, deT,
             ctx.gamma, ctx.normalize, ctx.eps, ctx.cfg, want_dg=want_dg, launch=ctx.launch)
         return dq, dk, dv, dg, dP0, dE0, dp0, de0, None, None, None, None, None
 

@@ -162,8 +162,9 @@ def store_step_output(o, i_bh, rv, mv, b_num, b_den, eps, V: tl.constexpr, NORM:
 def read_gates(ptrs, mask):
     """Log-gates at ``ptrs`` as the kernels sum them: fp32, 0 where masked off, floored at
     FLOOR (``gates.py``, "The gate floor": a harder gate would cost the later sums of its chunk
-    their digits)."""
-    return tl.maximum(tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), FLOOR)
+    their digits). A NaN stays NaN (as torch's clamp keeps it), so a broken gate shows in the
+    outputs instead of closing quietly."""
+    return tl.maximum(tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit

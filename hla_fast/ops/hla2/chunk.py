@@ -50,6 +50,7 @@ from torch.autograd.function import once_differentiable
 from ..common.compile import compile_ahead, launch_kernel
 from ..ahla.chunk import ahla_config, layer_bwd, layer_fwd, normalized_layer_bwd, normalized_layer_fwd
 from ..common.config import DEFAULT_CHUNK, ChunkConfig, chunk_or_default, refuse_ahla_fields, refuse_shared_walk
+from ..common.cumsum import GateSums, gates_at_rate
 from ..common.gates import log_gamma, log_gate_grad
 from ..common.launch import (
     autograd_records, bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments,
@@ -645,10 +646,10 @@ class HLA2ChunkFunction(torch.autograd.Function):
 
 
 def outer_decay(g, gamma, rate):
-    """The outer layer's decay: the log-gates or gamma at 1 + rate times (its weight
-    exp((1 + c)(b_t - b_j)) for the inner index's rate c); g in fp32, so that a factor of 3 stays
-    exact where it would round in bf16."""
-    return (None if g is None else g.float() * (1 + rate)), (None if gamma is None else gamma ** (1 + rate))
+    """The outer layer's decay: the log-gates (a tensor, in fp32, or the call's GateSums, sharing
+    its sums) or gamma at 1 + rate times (its weight exp((1 + c)(b_t - b_j)) for the inner index's
+    rate c; ``common.cumsum.gates_at_rate``)."""
+    return gates_at_rate(g, 1 + rate), (None if gamma is None else gamma ** (1 + rate))
 
 
 def transposed(x):
@@ -828,11 +829,13 @@ class HLA2KeyBlockLayersFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         keep = any(ctx.needs_input_grad[:6]) and cfg.keeps_states
         s0t = transposed(s0)   # the inner layer's state is S^T: it reads q^T S
-        o, sT, wT, qs, ks, kps, cs_s, cs_w = key_block_layers_fwd(q, k, v, g, gamma, s0t, w0, cfg, rate, keep, launch)
+        sums = None if g is None else GateSums(g, launch=launch)   # every block's walks share the sums
+        o, sT, wT, qs, ks, kps, cs_s, cs_w = key_block_layers_fwd(q, k, v, sums, gamma, s0t, w0, cfg, rate, keep,
+                                                                  launch)
         final = (sT, wT) if g is not None and ctx.needs_input_grad[3] else (None, None)
         ctx.n = len(qs)
         ctx.save_for_backward(k, v, g, s0t, w0, *final, *qs, *ks, *kps, *(cs_s if keep else []), *(cs_w if keep else []))
-        ctx.keep, ctx.gamma, ctx.cfg, ctx.rate, ctx.launch = keep, gamma, cfg, rate, launch
+        ctx.keep, ctx.gamma, ctx.cfg, ctx.rate, ctx.launch, ctx.sums = keep, gamma, cfg, rate, launch, sums
         return o, sT, wT
 
     @staticmethod
@@ -845,8 +848,8 @@ class HLA2KeyBlockLayersFunction(torch.autograd.Function):
         want_dg = g is not None and ctx.needs_input_grad[3]
         if do is None:
             do = torch.zeros_like(v)
-        dq, dk, dv, ds0, dw0, db, _ = key_block_layers_bwd(qs, ks, k, v, kps, do, g, ctx.gamma, s0t, w0, cs_s, cs_w,
-                                                           dsT, dwT, ctx.cfg, ctx.rate, want_dg, ctx.launch)
+        dq, dk, dv, ds0, dw0, db, _ = key_block_layers_bwd(qs, ks, k, v, kps, do, ctx.sums, ctx.gamma, s0t, w0, cs_s,
+                                                           cs_w, dsT, dwT, ctx.cfg, ctx.rate, want_dg, ctx.launch)
         dg = _layers_gate_grad(db, sT, dsT, wT, dwT, None, None, ctx.rate, g.dtype) if want_dg else None
         return dq, dk, dv, dg, ds0, dw0, None, None, None, None
 
@@ -883,18 +886,20 @@ class HLA2LayersFunction(torch.autograd.Function):
         grads = any(ctx.needs_input_grad[:7])
         keep = grads and cfg.keeps_states
         s0t = transposed(s0)   # the inner layer's state is S^T: it reads q^T S
+        sums = None if g is None else GateSums(g, launch=launch)   # both layers' sums, shared with the backward
         den = zT = cs_z = None
         if normalize:   # (rate 1: checked by _layers_call)
-            kp, sT, cs_s = layer_fwd(q, k, k, g, gamma, s0t, cfg, keep_states=keep, launch=launch)
-            g_out, gamma_out = outer_decay(g, gamma, rate)
+            kp, sT, cs_s = layer_fwd(q, k, k, sums, gamma, s0t, cfg, keep_states=keep, launch=launch)
+            g_out, gamma_out = outer_decay(sums, gamma, rate)
             o, den, wT, zT, cs_w, cs_z = normalized_layer_fwd(q, kp, v, g_out, gamma_out, w0, z0, eps, cfg,
                                                               keep_states=keep, launch=launch)
             sT = transposed(sT)
         else:
-            o, sT, wT, kp, cs_s, cs_w = layers_fwd(q, k, v, g, gamma, s0t, w0, cfg, rate, keep, launch)
+            o, sT, wT, kp, cs_s, cs_w = layers_fwd(q, k, v, sums, gamma, s0t, w0, cfg, rate, keep, launch)
         final = (sT, wT, zT) if g is not None and ctx.needs_input_grad[3] else (None, None, None)
         ctx.save_for_backward(q, k, v, g, s0t, w0, z0, kp, o if normalize else None, den, *final, cs_s, cs_w, cs_z)
         ctx.gamma, ctx.normalize, ctx.eps, ctx.cfg, ctx.rate, ctx.launch = gamma, normalize, eps, cfg, rate, launch
+        ctx.sums = sums
         return o, sT, wT, zT
 
     @staticmethod
@@ -909,7 +914,7 @@ class HLA2LayersFunction(torch.autograd.Function):
             # o = num / (den + eps): the numerator's gradient do / d and the denominator's dd
             do, dd = normalized_output_grad(do, o, den, ctx.eps, launch=ctx.launch)
             norm = (dd, cs_z, dzT, z0, ctx.eps)
-        dq, dk, dv, ds0, dw0, db, dz0 = layers_bwd(q, k, v, kp, do, g, ctx.gamma, s0t, w0, cs_s, cs_w, dsT, dwT,
+        dq, dk, dv, ds0, dw0, db, dz0 = layers_bwd(q, k, v, kp, do, ctx.sums, ctx.gamma, s0t, w0, cs_s, cs_w, dsT, dwT,
                                                    ctx.cfg, ctx.rate, want_dg, ctx.launch, norm=norm)
         dg = _layers_gate_grad(db, sT, dsT, wT, dwT, zT, dzT, ctx.rate, g.dtype) if want_dg else None
         return dq, dk, dv, dg, ds0, dw0, dz0, None, None, None, None, None, None

@@ -68,6 +68,7 @@ from torch.autograd.function import once_differentiable
 from ..ahla.chunk import ahla_config, layer_bwd, layer_fwd, layer_pair_fwd
 from ..common.compile import compile_ahead, launch_kernel
 from ..common.config import ChunkConfig, chunk_or_default, refuse_ahla_fields, refuse_split_forward
+from ..common.cumsum import GateSums
 from ..common.launch import autograd_records, pow2_block, snapshot_dtype
 from ..common.normalize import quotient, with_column, with_ones
 from ..common.gates import log_gate_grad
@@ -199,25 +200,29 @@ class HLA3StagedFunction(torch.autograd.Function):
         # state's cotangents are [B, H, K, K]-sized: zeros would cost memory and a walk from zero)
         ctx.set_materialize_grads(False)
         grads = any(ctx.needs_input_grad[:7])
+        # the first-order walks share the gate sums (rate 1, and 3 for the outer layer), with the backward too;
+        # HLA2's fused second stage reads g itself
+        sums = None if g is None else GateSums(g, launch=launch)
         if cfg2.layers:   # the stage's initial state from here on is S0^T: the inner layer reads q^T S0
             s0 = hla2_chunk.transposed(s0)
         if cfg2.fwd_shared_walk:
             # -- R = LA(q, k, v) from P0 and K' = LA(q, k, k; g) from S0^T in one walk, then
             # o = LA(q, K', R; 3 g) from F0 ---------------------------------------------------------
             keep = grads and cfg2.keeps_states
-            r, kp, pT, sT, cs_p, cs_s = layer_pair_fwd(q, k, v, k, g, gamma, p0, s0, cfg2, keep_states=keep,
+            r, kp, pT, sT, cs_p, cs_s = layer_pair_fwd(q, k, v, k, sums, gamma, p0, s0, cfg2, keep_states=keep,
                                                        launch=launch)
-            o, fT, cs_f = hla2_chunk.outer_layer_fwd(q, kp, r, g, gamma, f0, cfg2, 2, keep, launch)
+            o, fT, cs_f = hla2_chunk.outer_layer_fwd(q, kp, r, sums, gamma, f0, cfg2, 2, keep, launch)
             sT = hla2_chunk.transposed(sT)
         else:
             # -- first stage: R = LA(q, k, v) from P0 --------------------------------------------
-            r, pT, cs_p = layer_fwd(q, k, v, g, gamma, p0, cfg1, keep_states=grads and cfg1.keeps_states,
+            r, pT, cs_p = layer_fwd(q, k, v, sums, gamma, p0, cfg1, keep_states=grads and cfg1.keeps_states,
                                     launch=launch)
             # -- second stage: HLA2 at rate 2 on (q, k, R) from (S0, F0) -------------------------
             if cfg2.layers:
                 # K' = LA(q, k, k; g) from S0^T, then o = LA(q, K', R; 3 g) from F0
                 keep = grads and cfg2.keeps_states
-                o, sT, fT, kp, cs_s, cs_f = hla2_chunk.layers_fwd(q, k, r, g, gamma, s0, f0, cfg2, 2, keep, launch)
+                o, sT, fT, kp, cs_s, cs_f = hla2_chunk.layers_fwd(q, k, r, sums, gamma, s0, f0, cfg2, 2, keep,
+                                                                  launch)
             else:
                 keep = grads and hla2_chunk.keeps_states(cfg2, q, None, v.shape[-1])
                 o, _, sT, fT, _, cs = hla2_chunk.fwd_launch(
@@ -228,7 +233,7 @@ class HLA3StagedFunction(torch.autograd.Function):
         # the final state is read back only for the log-gates' gradient (its own factor e^{b_T})
         final = (sT, pT, fT) if g is not None and ctx.needs_input_grad[3] else (None, None, None)
         ctx.save_for_backward(q, k, v, g, s0, p0, f0, r, kp, *final, cs_p, cs_s, cs_f)
-        ctx.gamma, ctx.cfgs, ctx.launch = gamma, (cfg1, cfg2), launch
+        ctx.gamma, ctx.cfgs, ctx.launch, ctx.sums = gamma, (cfg1, cfg2), launch, sums
         return o, sT, pT, fT
 
     @staticmethod
@@ -241,7 +246,8 @@ class HLA3StagedFunction(torch.autograd.Function):
             do = torch.zeros_like(v)
         # -- second stage: dq, dk, dR (and its share of dL/db) ------------------------------------
         if cfg2.layers:
-            dq, dk, dr, ds0, df0, db, _ = hla2_chunk.layers_bwd(q, k, r, kp, do, g, gamma, s0, f0, cs_s, cs_f, dsT, dfT,
+            dq, dk, dr, ds0, df0, db, _ = hla2_chunk.layers_bwd(q, k, r, kp, do, ctx.sums, gamma, s0, f0, cs_s, cs_f,
+                                                             dsT, dfT,
                                                              cfg2, 2, want_dg, launch)
         else:
             dq, dk, _, _, dr, ds0, df0, db, _ = hla2_chunk.bwd_launch(
@@ -249,8 +255,8 @@ class HLA3StagedFunction(torch.autograd.Function):
                 want_db=want_dg, rate=2, launch=launch)
         # -- first stage, from dR: dv, and its dq, dk added to the second's in the same launch -----
         if cs_p is None:
-            cs_p = first_stage_states(q, k, v, g, gamma, p0, cfg1, launch)
-        dv, dq, dk, dp0, db1 = layer_bwd(q, k, v, dr.contiguous(), g, gamma, cs_p, dpT, p0 is not None, cfg1,
+            cs_p = first_stage_states(q, k, v, ctx.sums, gamma, p0, cfg1, launch)
+        dv, dq, dk, dp0, db1 = layer_bwd(q, k, v, dr.contiguous(), ctx.sums, gamma, cs_p, dpT, p0 is not None, cfg1,
                                          dq_in=dq, dk_in=dk, want_db=want_dg, db_own=True, launch=launch)
         dg = None
         if want_dg:
