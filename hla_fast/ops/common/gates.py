@@ -21,15 +21,16 @@ The kernels' side of this (``chunk_beta``, ``chunk_decays``) is in ``tiles.py``;
 the host side and imports no Triton, so the torch backend runs without it.
 
 The gate floor. In fp32, beta keeps about seven significant digits of its own size, and a decay
-inside a chunk is a difference of two betas. One gate that closes hard (g_s = -1e4, say) leaves every
-later beta of its chunk near -1e4, where fp32's spacing is 1e-3: the decays between the tokens after
-it, which do not involve the gate at all, would carry errors of 1e-3 (of order 1 at -1e8). So every fp32 path
-(the kernels, and the torch backend below float64) reads each log-gate as max(g, GATE_FLOOR), with
-GATE_FLOOR = -30 (``gate_floor``): a factor across a floored gate is at most e^-30 ~ 9e-14, far below
-fp32's resolution of 6e-8, so the gate still cuts the context, and the later betas of its chunk sit
-near -30, a size strong gates reach anyway (30 tokens of g = -1), where fp32's spacing is 2e-6: each
-later sum rounds by at most 1e-6, so a decay across r tokens after the gate is off by at most about
-r * 1e-6 (1e-5 over a dozen tokens; notebook 09 shows one).
+inside a chunk is a difference of two betas. One gate that closes hard (g_s = -1e4, say) leaves
+every later beta of its chunk near -1e4, where fp32's spacing is 1e-3: the decays between the tokens
+after it, which do not involve the gate at all, would carry errors of 1e-3; at -1e9 the outputs were
+0.2 to 0.5 off. So every fp32 path (the kernels, and the torch backend below float64) reads each
+log-gate as max(g, GATE_FLOOR), with GATE_FLOOR = -30 (``gate_floor``): a factor across a floored
+gate is at most e^-30 ~ 9e-14, far below fp32's resolution of 6e-8, so the gate still cuts the
+context, and the later betas of its chunk sit near -30, a size strong gates reach anyway (30 tokens
+of g = -1), where fp32's spacing is 2e-6: each later sum rounds by at most 1e-6, so a decay across r
+tokens after the gate is off by at most about r * 1e-6 (1e-5 over a dozen tokens; notebook 09 shows
+one).
 The float64 torch path reads g as given. A decode step multiplies by exp(g) itself (no difference of
 sums) and needs no floor. The gradient of a floored gate is that of the floor value (about e^-30
 times the others: zero to fp32 precision, as the exact one is).
