@@ -9,9 +9,10 @@ whichever layout a use needs. So the launchers of the first-order walks (``ahla/
 
 One call walks the same chunks several times: a training call of AHLA runs its forward walk and
 its backward's kernels (two layers of them, and a recompute walk where the forward kept no states),
-HLA2 as layers two layers at two rates, and heads in key blocks every layer once a block. Their
-launchers take the call's :class:`GateSums` in place of g (:func:`sums_at`), which computes the
-sums of one rate and chunk size once and hands the same tensor to every later walk.
+HLA2 as layers two layers at two rates, HLA3 its first stage and two layers at rates 1 and 3, and
+heads in key blocks every layer once a block. Their launchers take the call's :class:`GateSums` in
+place of g (:func:`sums_at`), which computes the sums of one rate and chunk size once and hands the
+same tensor to every later walk.
 
 Layout: ``gc`` is fp32 ``[B * H, NT * C]``, head-major, every head's tokens contiguous and padded to
 whole chunks. A padded row adds the log-gate 0, so it repeats the chunk's last valid sum: the last
@@ -69,7 +70,8 @@ class GateSums:
     sums of c g), with their chunk sums computed at most once for each rate and chunk size
     (the module docstring). ``scaled`` gives the same gates at another rate, sharing the memo;
     ``dtype`` is g's (a gradient of the gates is returned in it). Made by the autograd Functions
-    (``ahla/chunk.py``, ``hla2/chunk.py``'s layers) and kept on their context for the backward."""
+    (``ahla/chunk.py``, ``hla2/chunk.py``'s layers, ``hla3/chunk.py``) and kept on their context
+    for the backward."""
 
     def __init__(self, g: torch.Tensor, rate: float = 1.0, launch=launch_kernel, memo: dict | None = None):
         self.g, self.rate, self.launch, self.dtype = g, rate, launch, g.dtype
