@@ -101,10 +101,3 @@ def sums_at(g, chunk: int, launch=launch_kernel) -> torch.Tensor | None:
         return g.at(chunk)
     return chunk_sums(g, chunk, launch=launch)
 
-
-def gates_at_rate(g, c: float):
-    """The log-gates at c times their rate: None stays None, a GateSums shares its memo
-    (:meth:`GateSums.scaled`), a tensor is multiplied in fp32."""
-    if g is None:
-        return None
-    return g.scaled(c) if isinstance(g, GateSums) else g.float() * c

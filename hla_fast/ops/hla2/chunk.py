@@ -50,7 +50,7 @@ from torch.autograd.function import once_differentiable
 from ..common.compile import compile_ahead, launch_kernel
 from ..ahla.chunk import ahla_config, layer_bwd, layer_fwd, normalized_layer_bwd, normalized_layer_fwd
 from ..common.config import DEFAULT_CHUNK, ChunkConfig, chunk_or_default, refuse_ahla_fields, refuse_shared_walk
-from ..common.cumsum import GateSums, gates_at_rate
+from ..common.cumsum import GateSums
 from ..common.gates import log_gamma, log_gate_grad
 from ..common.launch import (
     autograd_records, bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments,
@@ -646,10 +646,10 @@ class HLA2ChunkFunction(torch.autograd.Function):
 
 
 def outer_decay(g, gamma, rate):
-    """The outer layer's decay: the log-gates (a tensor, in fp32, or the call's GateSums, sharing
-    its sums) or gamma at 1 + rate times (its weight exp((1 + c)(b_t - b_j)) for the inner index's
-    rate c; ``common.cumsum.gates_at_rate``)."""
-    return gates_at_rate(g, 1 + rate), (None if gamma is None else gamma ** (1 + rate))
+    """The outer layer's decay: the call's log-gates (its GateSums, whose sums it shares) or gamma at
+    1 + rate times (its weight exp((1 + c)(b_t - b_j)) for the inner index's rate c). Every caller
+    (the layers' Functions here and HLA3's) passes a GateSums or None."""
+    return (None if g is None else g.scaled(1 + rate)), (None if gamma is None else gamma ** (1 + rate))
 
 
 def transposed(x):
