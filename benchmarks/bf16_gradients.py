@@ -103,6 +103,19 @@ def render_markdown(res):
     return "\n".join(lines) + "\n"
 
 
+def _measured_flags(argv):
+    """The command-line flags that decide what was measured: ``--out`` (where the record goes) left out."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--out":
+            skip = True
+        elif not arg.startswith("--out="):
+            kept.append(arg)
+    return kept
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
@@ -131,7 +144,7 @@ def main():
            "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()},
            "shape": shape, "gamma": GAMMA, "ops": ops,
            "rows": {name: measure(name, q, k, v, w, device) for name in ops},
-           "command": "python benchmarks/bf16_gradients.py " + " ".join(sys.argv[1:])}
+           "command": " ".join(["python benchmarks/bf16_gradients.py", *_measured_flags(sys.argv[1:])])}
     os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, f"bf16_gradients_{args.tag or ('cpu' if args.cpu else 'h200')}")
     write_record(base, res, render_markdown)
