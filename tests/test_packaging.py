@@ -183,3 +183,32 @@ def test_every_record_the_documentation_cites_exists():
                     dead.append(f"{path.relative_to(ROOT)}: {name}")
     assert cited > 100, f"the pattern found only {cited} citations: it no longer matches how records are cited"
     assert not dead, "documentation cites records that benchmarks/results does not have:\n" + "\n".join(sorted(set(dead)))
+
+
+# directories of a machine that a record or a document must not name (a script's --out on the
+# machine that ran it, a traceback's file names): spelled in pieces so that this file does not
+# name them itself
+_MACHINE_DIRS = re.compile(r"(?<![\w.~-])/(?:%s)/" % "|".join(("ro" + "ot", "ho" + "me", "wo" + "rk", "t" + "mp")))
+_SHIPPED = ("README.md", "environment.yml", "pyproject.toml", ".ci", "benchmarks", "hla_fast", "hla_ref",
+            "notebooks", "tests")
+
+
+def _shipped_text_files():
+    for top in _SHIPPED:
+        path = ROOT / top
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        for p in files:
+            if any(part in ("__pycache__", ".ipynb_checkpoints", ".hypothesis") for part in p.parts):
+                continue
+            try:
+                yield p, p.read_text()
+            except UnicodeDecodeError:   # a binary file (an image)
+                continue
+
+
+def test_no_file_names_a_directory_of_the_machine_that_wrote_it():
+    """Records, notebooks (their stored outputs too), docs and code name no absolute path of a
+    machine (a record's command with ``--out`` into a scratch directory once did)."""
+    found = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p, text in _shipped_text_files()
+             for m in [_MACHINE_DIRS.search(text)] if m]
+    assert not found, found
