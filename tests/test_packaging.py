@@ -129,24 +129,27 @@ def test_readme_python_example_runs(index, tmp_path):
     assert out.returncode == 0, f"README example {index} failed:\n{code}\n{out.stderr[-3000:]}"
 
 
-def test_no_tracked_file_cites_a_document_outside_the_repository():
-    """Every reference a reader meets resolves inside the repository: the old external derivation
-    notes are cited nowhere (the name is assembled here so that this file does not contain it)."""
-    name = ("hla" + "-math").encode()
+def _tracked_text_files():
+    """(path relative to the root, contents) of every file git tracks that is not binary; the test
+    asking is skipped outside a git checkout."""
     try:
         files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout")
-    offenders = []
     for rel in filter(None, files.decode().split("\0")):
         path = ROOT / rel
         if not path.is_file():
             continue
         data = path.read_bytes()
-        if b"\0" in data[:8192]:
-            continue                                    # binary
-        if name in data.lower():
-            offenders.append(rel)
+        if b"\0" not in data[:8192]:                  # binary files are left out
+            yield rel, data
+
+
+def test_no_tracked_file_cites_a_document_outside_the_repository():
+    """Every reference a reader meets resolves inside the repository: the old external derivation
+    notes are cited nowhere (the name is assembled here so that this file does not contain it)."""
+    name = ("hla" + "-math").encode()
+    offenders = [rel for rel, data in _tracked_text_files() if name in data.lower()]
     assert not offenders, f"files citing {name.decode()!r}, a document not in the repository: {offenders}"
 
 
@@ -188,27 +191,12 @@ def test_every_record_the_documentation_cites_exists():
 # directories of a machine that a record or a document must not name (a script's --out on the
 # machine that ran it, a traceback's file names): spelled in pieces so that this file does not
 # name them itself
-_MACHINE_DIRS = re.compile(r"(?<![\w.~-])/(?:%s)/" % "|".join(("ro" + "ot", "ho" + "me", "wo" + "rk", "t" + "mp")))
-_SHIPPED = ("README.md", "environment.yml", "pyproject.toml", ".ci", "benchmarks", "hla_fast", "hla_ref",
-            "notebooks", "tests")
-
-
-def _shipped_text_files():
-    for top in _SHIPPED:
-        path = ROOT / top
-        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-        for p in files:
-            if any(part in ("__pycache__", ".ipynb_checkpoints", ".hypothesis") for part in p.parts):
-                continue
-            try:
-                yield p, p.read_text()
-            except UnicodeDecodeError:   # a binary file (an image)
-                continue
+_MACHINE_DIRS = re.compile(rb"(?<![\w.~-])/(?:%s)/" % b"|".join((b"ro" + b"ot", b"ho" + b"me", b"wo" + b"rk", b"t" + b"mp")))
 
 
 def test_no_file_names_a_directory_of_the_machine_that_wrote_it():
     """Records, notebooks (their stored outputs too), docs and code name no absolute path of a
     machine (a record's command with ``--out`` into a scratch directory once did)."""
-    found = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p, text in _shipped_text_files()
-             for m in [_MACHINE_DIRS.search(text)] if m]
+    found = [f"{rel}: {m.group(0).decode()}" for rel, data in _tracked_text_files()
+             for m in [_MACHINE_DIRS.search(data)] if m]
     assert not found, found
