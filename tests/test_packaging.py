@@ -191,7 +191,8 @@ def test_every_record_the_documentation_cites_exists():
 # directories of a machine that a record or a document must not name (a script's --out on the
 # machine that ran it, a traceback's file names): spelled in pieces so that this file does not
 # name them itself
-_MACHINE_DIRS = re.compile(rb"(?<![\w.~-])/(?:%s)/" % b"|".join((b"ro" + b"ot", b"ho" + b"me", b"wo" + b"rk", b"t" + b"mp")))
+_MACHINE_DIRS = re.compile(rb"(?<![\w.~-])/(?:%s)/"
+                           % b"|".join((b"ro" + b"ot", b"ho" + b"me", b"wo" + b"rk", b"t" + b"mp")))
 
 
 def test_no_file_names_a_directory_of_the_machine_that_wrote_it():

@@ -247,8 +247,7 @@ class HLA3StagedFunction(torch.autograd.Function):
         # -- second stage: dq, dk, dR (and its share of dL/db) ------------------------------------
         if cfg2.layers:
             dq, dk, dr, ds0, df0, db, _ = hla2_chunk.layers_bwd(q, k, r, kp, do, ctx.sums, gamma, s0, f0, cs_s, cs_f,
-                                                             dsT, dfT,
-                                                             cfg2, 2, want_dg, launch)
+                                                             dsT, dfT, cfg2, 2, want_dg, launch)
         else:
             dq, dk, _, _, dr, ds0, df0, db, _ = hla2_chunk.bwd_launch(
                 q, k, r, do, g, gamma, s0, f0, dsT, dfT, cfg2, states=None if cs_s is None else (cs_s, cs_f, None),
