@@ -8,7 +8,8 @@ K=V in {64, 128} (``--dims``; ``--V`` another value width), ``--gates`` (log-gat
 rule change before making it; for hla3 its second stage's); medians of triton.testing.do_bench (ms)
 of the whole call, forward under no_grad and forward + backward, the peak memory one forward + backward allocates beyond
 what was allocated before it (the inputs, do and the previous call's gradients), and the relative
-difference of the two revisions' outputs and input gradients. On a CUDA machine, from the repository root:
+difference of the two revisions' outputs (of the inference forward and of the training call) and
+input gradients. On a CUDA machine, from the repository root:
 
     python benchmarks/ab_revision.py --rev 62e7c2f --out benchmarks/results/hla2_h200_ab.json
     python benchmarks/ab_revision.py --op ahla --rev 3c5b091 --out benchmarks/results/ahla_h200_ab.json
@@ -31,6 +32,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))   # config_arg beside this script
 from config_arg import HELP, config_changes  # noqa: E402
+from records import rel_error  # noqa: E402
 
 
 def extract(rev: str, dest: pathlib.Path) -> str:
@@ -50,8 +52,10 @@ def extract(rev: str, dest: pathlib.Path) -> str:
 def time_call(op, q, k, v, do, g=None, normalize=False, config=None):
     """Forward and forward + backward medians (ms) of op(q, k, v) with gamma=0.999, or with the
     log-gates g (a leaf that requires grad) when given, the MB one forward + backward allocates at
-    its peak beyond what was allocated before it, and (o, dq, dk, dv[, dg]). ``config``: None for
-    the op's rule, or a function of ``training`` (whether autograd records) giving its config."""
+    its peak beyond what was allocated before it, and the results {name: tensor}: the inference
+    forward's output ``o_inference`` (its layout may differ from the training forward's) and the
+    training call's ``o``, ``dq``, ``dk``, ``dv`` (and ``dg``). ``config``: None for the op's rule,
+    or a function of ``training`` (whether autograd records) giving its config."""
     inputs = (q, k, v) if g is None else (q, k, v, g)
     leaves = [x.detach().clone().requires_grad_() for x in inputs]
 
@@ -63,7 +67,7 @@ def time_call(op, q, k, v, do, g=None, normalize=False, config=None):
 
     def fwd():
         with torch.no_grad():
-            call(*inputs)
+            return call(*inputs)[0]
 
     def fwd_bwd():
         for x in leaves:
@@ -72,9 +76,8 @@ def time_call(op, q, k, v, do, g=None, normalize=False, config=None):
         o.backward(do)
         return o
 
-    fwd()
-    o = fwd_bwd().detach()
-    out = (o, *(x.grad.clone() for x in leaves))
+    out = {"o_inference": fwd(), "o": fwd_bwd().detach()}
+    out.update((n, x.grad.clone()) for n, x in zip(("dq", "dk", "dv", "dg"), leaves))
     torch.cuda.synchronize()
     times = (do_bench(fwd, warmup=10, rep=50, return_mode="median"),
              do_bench(fwd_bwd, warmup=10, rep=50, return_mode="median"))
@@ -108,10 +111,6 @@ def rule_config(op, q, v, changes, training, gated=False, normalize=False):
     first, second = stage_rules(*shape, gated=gated, training=training, normalize=normalize)
     second = second.replace(**changes)
     return second if second.layers else (first, second)
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def main():
@@ -159,8 +158,7 @@ def main():
                                                config=cfg)
             rows.append({"K": D, "V": args.V or D, "code": label, "fwd_ms": f, "fwdbwd_ms": fb, "fwdbwd_peak_extra_mb": mb})
             print(rows[-1], flush=True)
-        rows[-1]["rel_diff_to_rev"] = {n: rel(a, b) for n, a, b in zip(("o", "dq", "dk", "dv", "dg"), outs["this tree"],
-                                                                     outs[args.rev])}
+        rows[-1]["rel_diff_to_rev"] = {n: rel_error(x, outs[args.rev][n]) for n, x in outs["this tree"].items()}
         print(rows[-1]["rel_diff_to_rev"], flush=True)
         del q, k, v, g, do, outs
         torch.cuda.empty_cache()

@@ -58,6 +58,7 @@ from bench_hla2 import (  # noqa: E402
 )
 from hla_fast import AHLAState  # noqa: E402
 from hla_fast.ops.common.launch import BWD_PIECES  # noqa: E402
+from records import rel_error  # noqa: E402
 
 SECTIONS = ("main", "variants", "decode", "accuracy", "first_call")
 FWD_MAX, FWDBWD_MAX, DECODE_MIN = 1.5, 2.0, 0.70
@@ -130,11 +131,6 @@ def variant_changes(K):
                     "fwd_32_warps_4": {"fwd_chunk": 32, "fwd_warps": 4, "fwd_prefetch": False},
                     "fwd_32_warps_4_prefetch": {"fwd_chunk": 32, "fwd_warps": 4, "fwd_prefetch": True}})
     return out
-
-
-def rel(a, b):
-    a, b = a.double().cpu(), b.double().cpu()
-    return float((a - b).norm() / b.norm())
 
 
 def ceilings(smoke):
@@ -400,7 +396,7 @@ def main():
                     g = make_gates(1, T, 2)
                     want, _ = hla_fast.ahla(q.double(), k.double(), v.double(), g=g.double(), backend="torch")
                     got, _ = hla_fast.ahla(q, k, v, g=g, backend="triton")
-                    rows.append({"K=V": D, "T": T, "dtype": str(dtype), "rel_err": rel(got, want)})
+                    rows.append({"K=V": D, "T": T, "dtype": str(dtype), "rel_err": rel_error(got, want)})
                     log(f"accuracy {rows[-1]}")
                     free()
 

@@ -71,6 +71,7 @@ if ROOT not in sys.path:
 import hla_fast  # noqa: E402
 from hla_fast import HLA2State  # noqa: E402
 from hla_fast.ops.hla2.chunk import fused_config  # noqa: E402
+from records import portable  # noqa: E402
 
 SECTIONS = ("decode", "main", "short", "memory", "wide", "profile", "variants", "accuracy", "first_call")
 GAMMA = 0.999
@@ -308,7 +309,7 @@ def time_candidates(row, cands, do):
             row[f"{name}_fwd_ms"] = median_ms(fwd_only(fn, inputs))
             row[f"{name}_fwdbwd_ms"] = median_ms(fwd_bwd(fn, inputs, do))
         except Exception as e:  # noqa: BLE001
-            row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            row[f"{name}_error"] = f"{type(e).__name__}: {portable(str(e))[:300]}"
         free()
 
 
@@ -424,7 +425,7 @@ def run_first_call(var, shape, timeout_s, env_extra=None):
             row["status"] = "ok"
         else:
             row["status"] = "error"
-            row["error"] = f"rc={proc.returncode}: " + (err or out)[-600:]
+            row["error"] = f"rc={proc.returncode}: " + portable(err or out)[-600:]
     except subprocess.TimeoutExpired:
         try:  # the child and anything it started (compilers): its own session
             os.killpg(proc.pid, signal.SIGKILL)
@@ -465,7 +466,7 @@ class FirstCallPool:
             try:
                 rows.append(f.result())
             except Exception as e:  # noqa: BLE001
-                rows.append({"status": "error", "error": f"{type(e).__name__}: {e}"})
+                rows.append({"status": "error", "error": f"{type(e).__name__}: {portable(str(e))}"})
         self.pool.shutdown()
         return rows
 

@@ -54,6 +54,7 @@ from bench_hla2 import (  # noqa: E402
     CUDA, DEVICE, bench_ms, free, fwd_bwd, fwd_only, graph_ms, hla2_flops, int_list, load_fla, log, make_gates,
     make_inputs, median_ms, warm_median_ms,
 )
+from records import portable  # noqa: E402
 
 GAMMA = 0.999
 TARGET_T = 32768
@@ -195,7 +196,7 @@ def run_first_call(dtype, dim, shape, timeout_s, interpret):
         if p.returncode == 0 and line:
             row.update(json.loads(line[len("FIRST_CALL_JSON "):]), status="ok")
         else:
-            row.update(status="error", error=f"rc={p.returncode}: " + (p.stderr or p.stdout)[-600:])
+            row.update(status="error", error=f"rc={p.returncode}: " + portable(p.stderr or p.stdout)[-600:])
     except subprocess.TimeoutExpired:
         row["status"] = "timeout"
     finally:

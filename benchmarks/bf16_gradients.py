@@ -37,7 +37,7 @@ for _p in (ROOT, os.path.join(ROOT, "benchmarks")):
 
 import torch  # noqa: E402
 
-from records import render_stored, write_record  # noqa: E402
+from records import rel_error, render_stored, write_record  # noqa: E402
 
 OPS = ("hla2", "ahla", "hla3")
 GAMMA = 0.95
@@ -52,11 +52,6 @@ def make_inputs(B, T, H, K, V, seed=0):
     v = torch.randn(B, T, H, V, generator=gen).bfloat16()
     w = torch.randn(B, T, H, V, generator=gen, dtype=torch.float64)
     return q, k, v, w
-
-
-def _rel(a, b):
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return float((a - b).norm() / b.norm())
 
 
 def output_and_grads(op, q, k, v, w, dtype, device, backend, normalize):
@@ -78,7 +73,7 @@ def measure(name, q, k, v, w, device):
         row = {}
         for backend in ("triton", "torch"):
             got = output_and_grads(op, q, k, v, w, torch.bfloat16, device, backend, normalize)
-            row[backend] = {n: _rel(a, b) for n, a, b in zip(("o",) + GRADS, got, ref)}
+            row[backend] = {n: rel_error(a, b) for n, a, b in zip(("o",) + GRADS, got, ref)}
         out[str(normalize)] = row
     return out
 

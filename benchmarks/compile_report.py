@@ -1,5 +1,5 @@
-"""What the compiler makes of an operator's kernels for Hopper, without a GPU: shared memory,
-registers, register spills and compile seconds of every launch one call makes.
+"""What the compiler makes of an operator's kernels for Hopper, without a GPU: shared memory and
+the tiles it holds, registers, register spills and compile seconds of every launch one call makes.
 
 The operator's launchers run on ``meta`` tensors (nothing is allocated or computed) with a
 ``launch`` that records (``hla_fast.ops.common.compile.Recorder``, what ``compile_ahead`` rehearses
@@ -16,11 +16,18 @@ multiprocessors), so the layouts are those the configuration rule gives on that 
 configuration says so) and the backward. ``--pass forward`` records an inference forward.
 Compiles run with an empty Triton cache of their own. Compile seconds include the ptxas run for
 the counts; a first call on a GPU compiles the same kernels (on that machine's CPU).
+
+Shared-memory tiles: every shared-memory allocation of the compiled kernel (Triton's GPU IR,
+``local_alloc``) by shape and dtype, with how many there are. A shape with a leading count
+(``2x64x64 bf16``) is a loaded tile the compiler pipelines (``num_stages``) in that many buffers;
+``1x..`` is one it pipelines in a single buffer, whose load each step then waits for; one without
+(``64x64 bf16``) holds a dot operand that was computed in registers.
 """
 from __future__ import annotations
 
 import argparse
 import atexit
+import collections
 import importlib
 import json
 import os
@@ -231,7 +238,16 @@ def compile_launch(kernel, kw, ptxas):
     spill = {kind: int(n) for n, kind in re.findall(r"(\d+) bytes spill (stores|loads)", run.stderr)}
     return {"kernel": fn.__name__, "warps": warps, "shared_bytes": compiled.metadata.shared,
             "registers": int(regs.group(1)) if regs else None, "spill_stores": spill.get("stores", 0),
-            "spill_loads": spill.get("loads", 0), "seconds": round(seconds, 2)}
+            "spill_loads": spill.get("loads", 0), "seconds": round(seconds, 2),
+            "shared_tiles": shared_tiles(compiled.asm["ttgir"])}
+
+
+def shared_tiles(ttgir: str) -> list:
+    """[[shape and dtype, count], ...] of a kernel's shared-memory allocations (``local_alloc`` in
+    its GPU IR), the widest first: e.g. [["2x64x64 bf16", 3], ["64x64 bf16", 5]] (module docstring)."""
+    found = collections.Counter(re.findall(r"ttg\.local_alloc\b[^\n]*?-> !ttg\.memdesc<([0-9x]+)x([a-z]+[0-9]+)[,>]",
+                                           ttgir))
+    return [[f"{shape} {dt}", n] for (shape, dt), n in sorted(found.items(), key=lambda x: (-x[0][0].count("x"), x[0]))]
 
 
 def report(op, B, T, H, K, V, dtype, changes=None, forward_only=False, gates=False, only=None, normalize=False,
@@ -258,11 +274,16 @@ def report(op, B, T, H, K, V, dtype, changes=None, forward_only=False, gates=Fal
 
 
 def render(res):
-    lines = [f"`{res['config']}`", "", "| kernel | warps | shared KB | registers | spill stores B | spill loads B | compile s |",
-             "|---|---|---|---|---|---|---|"]
+    # records written before the shared-memory tiles were reported render as they were
+    tiles = bool(res["kernels"]) and all("shared_tiles" in r for r in res["kernels"])
+    head = ["kernel", "warps", "shared KB", "registers", "spill stores B", "spill loads B", "compile s"]
+    head += ["shared-memory tiles"] if tiles else []
+    lines = [f"`{res['config']}`", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in res["kernels"]:
-        lines.append(f"| `{r['kernel']}` | {r['warps']} | {r['shared_bytes'] / 1024:.1f} | {r['registers']} | "
-                     f"{r['spill_stores']} | {r['spill_loads']} | {r['seconds']} |")
+        cells = [f"`{r['kernel']}`", r["warps"], f"{r['shared_bytes'] / 1024:.1f}", r["registers"], r["spill_stores"],
+                 r["spill_loads"], r["seconds"]]
+        cells += [", ".join(f"{n} x {s}" for s, n in r["shared_tiles"])] if tiles else []
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     total = sum(r["seconds"] for r in res["kernels"])
     n = len(res["kernels"])
     lines += ["", f"{n} kernel{'' if n == 1 else 's'}, {total:.1f} s of compiles."]

@@ -47,11 +47,14 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for _p in (ROOT, HERE):   # hla_fast, and records beside this script
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 import hla_fast  # noqa: E402
+from records import rel_error  # noqa: E402
 
 CASES = ("raw", "raw_gamma", "l2", "l2_gamma", "l2_gates", "l2pos_norm")
 GAMMA = 0.999
@@ -79,11 +82,6 @@ def make_case(case, B, T, H, K, V, device, seed=0):
     return q.to(device), k.to(device), v.to(device), kw
 
 
-def _rel(a, b):
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
-
-
 def _worst_row(a, b):
     """Largest relative error of one output row (over tokens and heads), rows of size > 1e-30."""
     a, b = a.double(), b.double()
@@ -104,10 +102,10 @@ def measure(case, T, dtype, *, B=1, H=2, K=16, V=16, device="cpu", seed=0, chunk
     o, st = hla_fast.hla3(qq, kk, vv, backend="triton", output_final_state=True, chunk_size=chunk_size, **kw)
     finite = bool(torch.isfinite(o).all())
     return {"case": case, "T": T, "dtype": str(dtype).replace("torch.", ""), "B": B, "H": H, "K": K, "V": V,
-            "rel_err": _rel(o, o64) if finite else float("inf"),
+            "rel_err": rel_error(o, o64) if finite else float("inf"),
             "worst_row_rel_err": _worst_row(o, o64) if finite else float("inf"),
             "out_rms": float(o64.double().pow(2).mean().sqrt()),
-            "F_rel_err": _rel(st.F, st64.F) if bool(torch.isfinite(st.F).all()) else float("inf"),
+            "F_rel_err": rel_error(st.F, st64.F) if bool(torch.isfinite(st.F).all()) else float("inf"),
             "finite": finite}
 
 

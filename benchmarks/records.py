@@ -1,10 +1,18 @@
 """Writing a benchmark's record: its results as ``<base>.json`` and their markdown as ``<base>.md``,
 the markdown always rendered from the same results (``tests/test_benchmarks.py`` renders every
-stored JSON and compares), and the markdown again from a stored JSON (a script's ``--render``)."""
+stored JSON and compares), and the markdown again from a stored JSON (a script's ``--render``);
+the relative error every record's accuracy columns report (:func:`rel_error`); and an error's
+text as a record keeps it, without the directories of the machine that ran it (:func:`portable`)."""
 from __future__ import annotations
 
 import json
 import os
+import sys
+import tempfile
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def write_record(base, res, render):
@@ -21,3 +29,25 @@ def render_stored(json_path, render):
         res = json.load(f)
     with open(os.path.splitext(json_path)[0] + ".md", "w") as f:
         f.write(render(res))
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (Frobenius norms over every element) in float64, on a's device (b is
+    moved there): the relative error of a result a against a reference b."""
+    a = a.detach().double()
+    b = b.detach().to(a.device).double()
+    return float((a - b).norm() / b.norm())
+
+
+def portable(text: str) -> str:
+    """``text`` (the tail of a failed run's output, which a record keeps) with this machine's
+    directories cut from the paths in it: the repository's root, every import root (``sys.path``:
+    site-packages, a ``--target`` folder), the temporary folder and the home folder. Files then
+    read as the repository or the package names them (``hla_fast/ops/...``, ``triton/...``), and
+    the record names no directory of the machine that wrote it (``tests/test_packaging.py``)."""
+    roots = {os.path.abspath(p) for p in sys.path if p}
+    roots |= {REPO, os.path.realpath(REPO), tempfile.gettempdir(), os.path.expanduser("~")}
+    for root in sorted(roots, key=len, reverse=True):   # the longest first: a root inside another
+        if root != os.sep:
+            text = text.replace(root + os.sep, "")
+    return text

@@ -29,7 +29,6 @@ import os
 import platform
 import pstats
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for p in (ROOT, os.path.join(ROOT, "benchmarks")):

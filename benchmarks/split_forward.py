@@ -12,7 +12,8 @@ and V = K (``--V``: another value width; ``--normalize``: normalized, on |q| and
 T = ``--T``; medians of
 triton.testing.do_bench (ms) of the whole call, forward under no_grad and forward + backward, the
 peak memory a forward + backward allocates beyond the inputs, and the relative difference of the
-layout's outputs and gradients to the rule's (same inputs, same process). On a CUDA machine, from
+layout's outputs (of the inference forward and of the training call) and gradients to the rule's
+(same inputs, same process). On a CUDA machine, from
 the repository root:
 
     python benchmarks/split_forward.py --out benchmarks/results/hla2_h200_split_forward.json
@@ -29,6 +30,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))   # scripts beside this one
 from config_arg import config_changes  # noqa: E402
+from records import portable  # noqa: E402
 
 LAYOUTS = ('[{}, {"fwd_output_pass": true}, {"fwd_output_pass": true, "fwd_row_blocks": 2}, '
            '{"fwd_output_pass": true, "fwd_row_blocks": 2, "fwd_warps": 4}, '
@@ -38,7 +40,8 @@ LAYOUTS = ('[{}, {"fwd_output_pass": true}, {"fwd_output_pass": true, "fwd_row_b
 def one(D: int, T: int, layout: str, op: str, gates: bool, V: int | None = None, normalize: bool = False) -> dict:
     """One layout's row (run in its own process)."""
     import torch
-    from ab_revision import rel, rule_config, time_call
+    from ab_revision import rule_config, time_call
+    from records import rel_error
 
     import hla_fast
     gen = torch.Generator(device="cuda").manual_seed(D)
@@ -65,7 +68,7 @@ def one(D: int, T: int, layout: str, op: str, gates: bool, V: int | None = None,
     f, fb, mb, out = time_call(fn, q, k, v, do, g=g, normalize=normalize, config=cfg)
     return {"K": D, "V": V or D, "T": T, "gates": gates, "normalize": normalize, "layout": config_changes(layout),
             "config": repr(cfg(True)), "fwd_ms": f, "fwdbwd_ms": fb, "fwdbwd_peak_extra_mb": mb,
-            "rel_diff_to_rule": {n: rel(a, b) for n, a, b in zip(("o", "dq", "dk", "dv", "dg"), out, ref)}}
+            "rel_diff_to_rule": {n: rel_error(x, ref[n]) for n, x in out.items()}}
 
 
 def main():
@@ -98,7 +101,7 @@ def main():
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
                 lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
                 row = json.loads(lines[-1]) if p.returncode == 0 and lines else {
-                    "K": D, "layout": layout, "failed": f"exit {p.returncode}: {p.stderr.strip()[-600:]}"}
+                    "K": D, "layout": layout, "failed": f"exit {p.returncode}: {portable(p.stderr.strip())[-600:]}"}
             except subprocess.TimeoutExpired:
                 row = {"K": D, "layout": layout, "failed": f"timed out after {args.timeout} s"}
             rows.append(row)

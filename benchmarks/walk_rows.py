@@ -23,7 +23,7 @@ for _p in (ROOT, os.path.join(ROOT, "benchmarks")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from records import write_record  # noqa: E402
+from records import portable, write_record  # noqa: E402
 
 LAYOUTS = "64:4:1,64:4:2,64:8:1,64:8:2,128:8:1,128:8:2"   # chunk:warps:stages
 
@@ -121,7 +121,7 @@ def main():
             p = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", json.dumps(spec)],
                                capture_output=True, text=True, timeout=300)
             got = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-            row = json.loads(got[0][7:]) if got else dict(spec, error=(p.stderr or p.stdout)[-300:])
+            row = json.loads(got[0][7:]) if got else dict(spec, error=portable(p.stderr or p.stdout)[-300:])
             print(row, flush=True)
             rows.append(row)
     res = {"device": torch.cuda.get_device_name(0), "versions": {"torch": torch.__version__, "triton": triton.__version__},

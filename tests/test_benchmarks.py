@@ -55,6 +55,8 @@ def load(name):
                                           ("profile_kernels", "kernels_hla3_h200"),
                                           ("compile_report", "compile_hla2_fp32_k64_cpu"),
                                           ("compile_report", "compile_hla2_bf16_k64_cpu"),
+                                          ("compile_report", "compile_hla2_bf16_k128_layers_fwd_chunk64_cpu"),
+                                          ("compile_report", "compile_hla2_bf16_k128_layers_fwd_chunk64_normalize_cpu"),
                                           ("compile_report", "compile_hla3_bf16_k64_cpu"),
                                           ("compile_report", "compile_hla3_bf16_k128_cpu"),
                                           ("compile_report", "compile_ahla_bf16_k64_cpu"),
@@ -368,3 +370,21 @@ def test_bench_hla2_overhead_targets_decide_on_a_partial_run(ratios, verdict):
             {"K": 128, "T": bench.TARGET_T, "g_over_gamma_fwd": k128f, "g_over_gamma_fwdbwd": k128b}]
     got = bench.targets({"main": rows})["g_overhead"]
     assert got["met"] is verdict
+
+
+def test_a_failed_runs_text_names_no_directory_of_the_machine(tmp_path, monkeypatch):
+    """``records.portable`` (what the scripts apply to a failed run's output before a record keeps
+    it) cuts the repository's root, the import roots, the temporary folder and the home folder
+    from the paths in it: files read as the repository or the package names them."""
+    records = load("records")
+    site = tmp_path / "site"
+    monkeypatch.setattr(sys, "path", [str(site)] + sys.path)
+    home = os.path.expanduser("~")
+    text = (f'File "{records.REPO}/hla_fast/ops/hla2/chunk.py", line 1\n'
+            f'File "{site}/triton/runtime/jit.py", line 2\n'
+            f'cache {home}/.triton/cache/abc\nscratch {tmp_path}/x.json\n')
+    got = records.portable(text)
+    assert got == ('File "hla_fast/ops/hla2/chunk.py", line 1\nFile "triton/runtime/jit.py", line 2\n'
+                   f'cache .triton/cache/abc\nscratch {os.path.relpath(tmp_path, records.tempfile.gettempdir())}/x.json\n')
+    for d in (records.REPO, str(site), home, str(tmp_path)):
+        assert d not in got

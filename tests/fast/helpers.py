@@ -66,17 +66,23 @@ print(json.dumps(out))
 """
 
 
+def run_compiler(args, timeout):
+    """stdout of ``python *args`` run in a subprocess without TRITON_INTERPRET (so that Triton
+    compiles for sm_90 instead of interpreting), which must exit 0."""
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return run.stdout
+
+
 def rule_kernels_shared(op, cases):
     """Compile for sm_90 (no GPU needed) every distinct kernel launch of ``op``'s calls in the
     layouts its rule gives on an H200-sized device: ``cases`` are keyword arguments of
     ``compile_report.record_launches`` (B, T, H, K, V, dtype as a name, gates, forward_only, ...).
     Runs in a subprocess without TRITON_INTERPRET; returns [[kernel name, shared bytes, repr of the
     config], ...]."""
-    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _RULE_SHARED, op, json.dumps(cases), BENCHMARKS], capture_output=True,
-                         text=True, env=env, timeout=900)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    out = run_compiler(["-c", _RULE_SHARED, op, json.dumps(cases), BENCHMARKS], timeout=900)
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def rand_qkv(B, T, H, K, V, *, seed=0, scale=0.5, positive=False, dtype=None, device="cpu"):

@@ -2,13 +2,16 @@
 operator the kernels compute, segments, gradient launches, kept or recomputed chunk states, wide
 heads, and the configuration rule. Under TRITON_INTERPRET=1 on a CPU, compiled on CUDA."""
 import importlib
+import json
+import os
 
 import pytest
 import triton
 import triton.language as tl
 
 from .helpers import (
-    HOPPER_SHARED, brute_hla2, has_cuda_compiler, rand_gates, rand_qkv, real_calls, ref_hla2, rel, rule_kernels_shared, torch,
+    BENCHMARKS, HOPPER_SHARED, brute_hla2, has_cuda_compiler, rand_gates, rand_qkv, real_calls, ref_hla2, rel,
+    rule_kernels_shared, run_compiler, torch,
 )
 
 import hla_fast
@@ -725,3 +728,20 @@ def test_layers_from_any_initial_state(save, device, poison):
 
     for a, b in zip(run(torch.float32, "triton", cfg), run(torch.float64, "torch", None)):
         assert rel(a, b) < 1e-4   # dg: a reverse sum of fp32 products (the contract suite's bound)
+
+
+@pytest.mark.skipif(not has_cuda_compiler(), reason="needs triton.compiler.ASTSource, GPUTarget and the CUDA backend")
+def test_compile_report_lists_the_shared_memory_tiles():
+    """``compile_report.py`` lists each kernel's shared-memory tiles (its GPU IR's allocations):
+    HLA2's forward walk at K = V = 64 keeps its five loaded [64, 64] tiles in no pipelined buffer
+    when its loads are not pipelined (``fwd_stages`` 1), and some in two buffers at two stages."""
+    tiles = {}
+    for stages in (1, 2):
+        out = run_compiler([os.path.join(BENCHMARKS, "compile_report.py"), "hla2", "4", "32768", "16", "64", "64",
+                            "bfloat16", "--pass", "forward", "--only", "hla2_fwd_kernel", "--json",
+                            "--config", json.dumps({"fwd_stages": stages})], timeout=600)
+        (row,) = json.loads(out)["kernels"]
+        tiles[stages] = dict(row["shared_tiles"])
+        assert sum(tiles[stages].values()) > 0
+    assert not any(s.startswith(("1x", "2x")) for s in tiles[1]), tiles[1]
+    assert tiles[2].get("2x64x64 bf16", 0) >= 3, tiles[2]
