@@ -19,8 +19,9 @@ chunked    dense masked work inside a chunk, a carried state across        what 
 
 Single head throughout: ``Q, K`` have shape ``(n, d)``, ``V`` has shape ``(n, dv)``, outputs
 ``(n, dv)``. float64 by default; float32 inputs stay float32. Every operator form (and
-``linear_attention``, and the ``*_weights`` matrices) takes ``gamma=1.0``, ``normalize=False`` and
-``eps=1e-6`` (output ``num / (den + eps)``, den being the same sum with every v_j replaced by 1).
+``linear_attention``) takes ``gamma=1.0``, ``normalize=False`` and ``eps=1e-6`` (output
+``num / (den + eps)``, den being the same sum with every v_j replaced by 1); the ``*_weights``
+matrices take ``gamma`` only (the weights of the unnormalized operator, ``o = T V``).
 
 ``gamma`` is either a float in (0, 1] (one decay for every token) or a 1-D float array of shape
 ``(n,)`` of per-token gates a_t in (0, 1] (a list of floats is accepted too; no broadcasting).

@@ -42,22 +42,28 @@ def to_array(x, name: str) -> np.ndarray:
         ) from None
 
 
-def as_matrix(x, name: str) -> np.ndarray:
-    """Return ``x`` as a 2-D float32/float64 array, or raise naming ``name``."""
+def _float_array(x, name: str, ndim: int, shape_doc: str) -> np.ndarray:
+    """``x`` as a finite float32/float64 array of ``ndim`` dimensions, the last of them at least
+    one feature wide, or raise naming ``name`` (``shape_doc``: the shape the caller expects)."""
     arr = to_array(x, name)
     if arr.dtype.type not in _FLOATS:
         raise TypeError(
             f"{name} must be a float32 or float64 array, got dtype {arr.dtype}"
         )
-    if arr.ndim != 2:
+    if arr.ndim != ndim:
         raise ValueError(
-            f"{name} must have shape (n, features) with ndim 2, got shape {arr.shape}"
+            f"{name} must have shape {shape_doc} with ndim {ndim}, got shape {arr.shape}"
         )
-    if arr.shape[1] < 1:
-        raise ValueError(f"{name} must have at least one feature column, got shape {arr.shape}")
+    if arr.shape[-1] < 1:
+        raise ValueError(f"{name} must have at least one feature, got shape {arr.shape}")
     if not np.all(np.isfinite(arr)):
         raise ValueError(f"{name} contains NaN or infinite values")
     return arr
+
+
+def as_matrix(x, name: str) -> np.ndarray:
+    """Return ``x`` as a 2-D float32/float64 array, or raise naming ``name``."""
+    return _float_array(x, name, 2, "(n, features)")
 
 
 def check_qk(Q, K):
@@ -88,10 +94,40 @@ def check_qkv(Q, K, V):
 
 
 def check_token(q, k, v):
-    """Validate one token's ``q, k: (d,)`` and ``v: (dv,)`` (the one-token segment builders)."""
-    q, k, v = to_array(q, "q"), to_array(k, "k"), to_array(v, "v")
-    Q, K, V = check_qkv(q[None], k[None], v[None])
-    return Q[0], K[0], V[0]
+    """Validate one token's ``q, k: (d,)`` and ``v: (dv,)`` (the one-token segment builders); the
+    three come back in one dtype (float32 only if all three are)."""
+    q, k, v = (_float_array(x, name, 1, "(features,)") for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    if k.shape != q.shape:
+        raise ValueError(f"k must have the same shape (d,) as q {q.shape}, got {k.shape}")
+    dtype = np.result_type(q, k, v)
+    return q.astype(dtype, copy=False), k.astype(dtype, copy=False), v.astype(dtype, copy=False)
+
+
+def check_scale(scale, d: int) -> float:
+    """A score scale: a finite real number, or None for 1/sqrt(d) (bools and complex refused)."""
+    return 1.0 / np.sqrt(d) if scale is None else _real(scale, "scale")
+
+
+def check_dims(d, dv):
+    """The sizes ``d``, ``dv`` of an empty segment: integers >= 1 (bools refused)."""
+    for name, x in (("d", d), ("dv", dv)):
+        if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+            raise TypeError(f"{name} must be an integer, got {type(x).__name__}")
+        if x < 1:
+            raise ValueError(f"{name} must be >= 1, got {x}")
+    return int(d), int(dv)
+
+
+def check_segments(A, B, cls):
+    """The two segments of a combine: both ``cls`` (a segment NamedTuple), of one size (every
+    field of B shaped as A's)."""
+    for name, x in (("A", A), ("B", B)):
+        if not isinstance(x, cls):
+            raise TypeError(f"{name} must be a {cls.__name__}, got {type(x).__name__}")
+    for field, a, b in zip(cls._fields, A, B):
+        if np.shape(a) != np.shape(b):
+            raise ValueError(f"B.{field} has shape {np.shape(b)} where A.{field} has {np.shape(a)}: segments of "
+                             f"different sizes (d, dv) do not combine")
 
 
 def _real(x, name: str) -> float:

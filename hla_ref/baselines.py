@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._checks import check_common, check_flag, check_qkv, decay_matrix, with_ones
+from ._checks import check_common, check_flag, check_qkv, check_scale, decay_matrix, with_ones
 from ._readout import read_out
 
 
@@ -28,10 +28,7 @@ def softmax_attention(Q, K, V, *, causal: bool = True, scale: float | None = Non
     Q, K, V = check_qkv(Q, K, V)
     causal = check_flag(causal, "causal")
     n, d = Q.shape
-    if scale is None:
-        scale = 1.0 / np.sqrt(d)
-    elif isinstance(scale, bool) or not np.isscalar(scale) or not np.isfinite(scale):
-        raise ValueError(f"scale must be a finite real number or None, got {scale!r}")
+    scale = check_scale(scale, d)
     scores = scale * (Q @ K.T)
     if causal:
         scores = np.where(causal_mask(n), scores, -np.inf)

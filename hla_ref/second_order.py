@@ -22,8 +22,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ._checks import (
-    check_chunk_size, check_common, check_flag, check_gamma, check_gates, check_qk, check_ridge,
-    check_token, decay_matrix, with_ones,
+    check_chunk_size, check_common, check_dims, check_flag, check_gamma, check_gates, check_qk, check_ridge,
+    check_segments, check_token, decay_matrix, with_ones,
 )
 from ._readout import chunk_decays, read_out
 from .baselines import causal_mask
@@ -51,6 +51,7 @@ def hla2_weights(Q, K, *, gamma=1.0, masked: bool = True) -> np.ndarray:
     """
     Q, K = check_qk(Q, K)
     gates = check_gates(gamma, Q.shape[0])
+    masked = check_flag(masked, "masked")
     X = Q @ K.T
     Gam = decay_matrix(gates.log_a, dtype=X.dtype)   # exp(b_t - b_j) on and below the diagonal
     Wg = X * Gam                                     # exp(b_t - b_i) X[t, i], i <= t
@@ -197,6 +198,7 @@ def hla2_segment(q, k, v, gamma: float = 1.0) -> HLA2Segment:
 
 def hla2_identity(d: int, dv: int, dtype=np.float64) -> HLA2Segment:
     """The empty segment (all zeros, rho = 1): a two-sided identity of :func:`hla2_combine`."""
+    d, dv = check_dims(d, dv)
     return HLA2Segment(np.zeros((d, d), dtype), np.zeros((d, dv), dtype), np.zeros(d, dtype),
                        np.zeros((d, dv), dtype), np.zeros(d, dtype), 1.0)
 
@@ -212,6 +214,7 @@ def hla2_combine(A: HLA2Segment, B: HLA2Segment) -> HLA2Segment:
         S = rho_B S_A + S_B,   C = rho_B C_A + C_B,   m = rho_B m_A + m_B
         G = rho_B^2 G_A + G_B + rho_B S_B C_A,   h = rho_B^2 h_A + h_B + rho_B S_B m_A
     """
+    check_segments(A, B, HLA2Segment)
     r = B.rho
     return HLA2Segment(
         S=r * A.S + B.S,

@@ -8,7 +8,7 @@ variant="paper" (what the paper's Algorithm 3, F = S^K S^Q P - G1 - G2 - G3, rea
 Erratum C): the same weight summed over all i, u, j <= t whose largest index occurs at least twice.
 Both are causal; they differ by O(1). Theorem 7.1 claims they are equal.
 
-The masked operator streams with a state of d^2 + d dv numbers (S, P, F) and scans with segment
+The masked operator streams with a state of d^2 + 2 d dv numbers (S, P, F) and scans with segment
 pieces of size d x d or d x dv. Algorithm 3's operator needs, for a fully parallel scan, a
 (d, d, d, dv) linear map per segment (the paper's M^KQP). Shapes: Q, K (n, d); V (n, dv).
 
@@ -24,8 +24,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ._checks import (
-    check_chunk_size, check_common, check_flag, check_gamma, check_gates, check_qk, check_token,
-    check_variant, decay_matrix, with_ones,
+    check_chunk_size, check_common, check_dims, check_flag, check_gamma, check_gates, check_qk, check_segments,
+    check_token, check_variant, decay_matrix, with_ones,
 )
 from ._readout import chunk_decays, read_out
 from .scan import token_scan
@@ -95,7 +95,7 @@ def hla3_naive(Q, K, V, *, gamma=1.0, normalize: bool = False, eps: float = 1e-6
 # --------------------------------------------------------------------------------------------
 
 class HLA3State(NamedTuple):
-    """Masked third-order state after token t, decayed to t: d^2 + d dv (+ 2d) numbers.
+    """Masked third-order state after token t, decayed to t: d^2 + 2 d dv (+ 2d) numbers.
 
     S: (d, d)  S^K_t = sum gamma^(t-i) k_i k_i^T      P: (d, dv) P_t = sum gamma^(t-j) k_j v_j^T
     F: (d, dv) F_t = gamma^3 F_{t-1} + (S_t q_t)(q_t^T P_t)
@@ -236,6 +236,7 @@ def hla3_segment(q, k, v, gamma: float = 1.0) -> HLA3Segment:
 
 def hla3_identity(d: int, dv: int, dtype=np.float64) -> HLA3Segment:
     """The empty masked segment: zeros, rho = 1."""
+    d, dv = check_dims(d, dv)
     z = lambda *shape: np.zeros(shape, dtype)  # noqa: E731
     return HLA3Segment(z(d, d), z(d, d), z(d, dv), z(d, dv), z(d, dv), z(d, d), z(d), z(d), z(d), 1.0)
 
@@ -248,6 +249,7 @@ def hla3_combine(A: HLA3Segment, B: HLA3Segment) -> HLA3Segment:
         R = rho^2 R_A + R_B + rho SQ_B P_A,    N = rho^2 N_A + N_B + rho S_A SQ_B
         S, SQ, P: rho X_A + X_B     (rho = rho_B)
     """
+    check_segments(A, B, HLA3Segment)
     r = B.rho
     SA_SQB = A.S @ B.SQ
     return HLA3Segment(
@@ -302,6 +304,7 @@ def hla3_paper_segment(q, k, v, gamma: float = 1.0) -> HLA3PaperSegment:
 
 def hla3_paper_identity(d: int, dv: int, dtype=np.float64) -> HLA3PaperSegment:
     """The empty segment for :func:`hla3_paper_combine`: zeros, rho = 1."""
+    d, dv = check_dims(d, dv)
     z = lambda *shape: np.zeros(shape, dtype)  # noqa: E731
     return HLA3PaperSegment(z(d, d), z(d, d), z(d, dv), z(d, dv), z(d, d), z(d, dv), z(d, d, d, dv),
                             z(d), z(d), z(d), z(d, d, d), 1.0)
@@ -318,6 +321,7 @@ def hla3_paper_combine(A: HLA3PaperSegment, B: HLA3PaperSegment) -> HLA3PaperSeg
 
     The middle family needs B's individual keys, hence the (d, d, d, dv) map M in the summary.
     """
+    check_segments(A, B, HLA3PaperSegment)
     r = B.rho
     return HLA3PaperSegment(
         SK=r * A.SK + B.SK,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, List, Optional
 
+import torch
+
 
 class HLACache:
     """States of HLA layers, indexed by ``layer_idx``.
@@ -42,8 +44,10 @@ class HLACache:
     def update(self, layer_idx: int, state, n_tokens: int) -> None:
         """Store layer ``layer_idx``'s state after ``n_tokens`` more tokens."""
         i = self._check_idx(layer_idx)
-        if not isinstance(state, tuple):
-            raise TypeError(f"state must be an HLA state NamedTuple, got {type(state).__name__}")
+        if not (isinstance(state, tuple) and hasattr(state, "_fields")
+                and all(x is None or isinstance(x, torch.Tensor) for x in state)):
+            raise TypeError(f"state must be an HLA state NamedTuple (HLA2State, AHLAState, HLA3State) of tensors, "
+                            f"got {type(state).__name__}")
         if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
             raise ValueError(f"n_tokens must be an int >= 1, got {n_tokens!r}")
         while len(self.states) <= i:

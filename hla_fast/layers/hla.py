@@ -71,37 +71,57 @@ with known output shapes; in eager mode it calls them directly.
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops import library
+from ..ops.common.checks import check_eps
 from .cache import HLACache
 
 GATES = ("none", "fixed", "data")
 QK_NORMS = ("l2", None)
 
 
+def _fp32_or_wider(x):
+    """x in fp32, or as it is when float64 (the float64 path stays exact to rounding)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def _rms_norm(x, weight, eps):
     """RMS norm over the last dim in fp32 (float64 kept), returned in x's dtype. x: [..., V]; weight: [V]."""
-    xf = x if x.dtype == torch.float64 else x.float()
+    xf = _fp32_or_wider(x)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(xf.dtype)
     return y.to(x.dtype)
 
 
 def fixed_log_decays(num_heads: int) -> torch.Tensor:
-    """log(gamma_h) [H] with 1 - gamma_h = 2^-(5 + 5 h / (H - 1)): geometric from 2^-5 to 2^-10
-    (2^-5 for a single head)."""
+    """log(gamma_h) [H], float64 on the CPU, with 1 - gamma_h = 2^-(5 + 5 h / (H - 1)): geometric
+    from 2^-5 to 2^-10 (2^-5 for a single head)."""
     if num_heads > 1:
         e = torch.linspace(5.0, 10.0, num_heads, dtype=torch.float64)
     else:
         e = torch.tensor([5.0], dtype=torch.float64)
-    return torch.log1p(-torch.pow(2.0, -e)).float()
+    return torch.log1p(-torch.pow(2.0, -e))
 
 
 def _positive_int(x, name):
     if isinstance(x, bool) or not isinstance(x, int) or x < 1:
         raise ValueError(f"{name} must be an int >= 1, got {x!r}")
+    return x
+
+
+def _finite_float(x, name, lower=None):
+    """x as a float: a real number (not a bool, not a string), finite, and > ``lower`` when given."""
+    want = "a finite float" + ("" if lower is None else f" > {lower}")
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be {want}, got {x!r}")
+    x = float(x)
+    if not math.isfinite(x) or (lower is not None and not x > lower):
+        raise ValueError(f"{name} must be {want}, got {x!r}")
     return x
 
 
@@ -154,8 +174,12 @@ class HigherOrderLinearAttention(nn.Module):
             raise ValueError(f"qk_norm must be 'l2' or None, got {qk_norm!r}")
         if not isinstance(output_norm, bool):
             raise TypeError(f"output_norm must be True or False, got {output_norm!r}")
-        if not (isinstance(gate_logit_normalizer, (int, float)) and gate_logit_normalizer > 0):
-            raise ValueError(f"gate_logit_normalizer must be a number > 0, got {gate_logit_normalizer!r}")
+        gate_logit_normalizer = _finite_float(gate_logit_normalizer, "gate_logit_normalizer", lower=0)
+        gate_bias_init = _finite_float(gate_bias_init, "gate_bias_init")
+        if chunk_size is not None:   # the operator checks what its backend takes (triton: 16 to 128)
+            _positive_int(chunk_size, "chunk_size")
+        eps = check_eps(eps)
+        norm_eps = _finite_float(norm_eps, "norm_eps", lower=0)
         if layer_idx is not None and (isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0):
             raise ValueError(f"layer_idx must be None or an int >= 0, got {layer_idx!r}")
         if backend not in (None, "triton", "torch"):
@@ -166,8 +190,8 @@ class HigherOrderLinearAttention(nn.Module):
         self.num_kv_heads, self.num_kv_groups = num_kv_heads, num_heads // num_kv_heads
         self.order, self.gate, self.normalize = order, gate, normalize
         self.qk_norm, self.output_norm = qk_norm, output_norm
-        self.gate_logit_normalizer = float(gate_logit_normalizer)
-        self.chunk_size, self.eps, self.norm_eps = chunk_size, float(eps), float(norm_eps)
+        self.gate_logit_normalizer = gate_logit_normalizer
+        self.chunk_size, self.eps, self.norm_eps = chunk_size, eps, norm_eps
         self.layer_idx, self.backend = layer_idx, backend
 
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
@@ -175,13 +199,29 @@ class HigherOrderLinearAttention(nn.Module):
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
         self.g_proj = nn.Linear(hidden_size, num_heads, bias=True) if gate == "data" else None
         if self.g_proj is not None:
-            nn.init.constant_(self.g_proj.bias, float(gate_bias_init))
-        if gate == "fixed":
-            self.register_buffer("log_decay", fixed_log_decays(num_heads), persistent=False)
-        else:
-            self.log_decay = None
+            nn.init.constant_(self.g_proj.bias, gate_bias_init)
+        # gate="fixed": the log-decays by (device, dtype), made from num_heads when first asked for
+        # (``_fixed_gates``); not a buffer, which would follow the module's dtype casts (bf16
+        # included) and hold no values when the module is built on the meta device
+        self._fixed = {}
         self.o_norm_weight = nn.Parameter(torch.ones(head_dim)) if output_norm else None
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+
+    @property
+    def log_decay(self):
+        """gate="fixed": log(gamma_h) [H] (float64, ``fixed_log_decays``); else None."""
+        return fixed_log_decays(self.num_heads) if self.gate == "fixed" else None
+
+    def _fixed_gates(self, x):
+        """gate="fixed": log(gamma_h) [H] on x's device in the gates' dtype (fp32, float64 for
+        float64 hidden states), copied there once (a host copy on every call would wait for the GPU)."""
+        dtype = _fp32_or_wider(x).dtype
+        g = self._fixed.get((x.device, dtype))
+        if g is None:
+            g = fixed_log_decays(self.num_heads).to(device=x.device, dtype=dtype)
+            if not torch.compiler.is_compiling():
+                self._fixed[(x.device, dtype)] = g
+        return g
 
     def extra_repr(self) -> str:
         return (f"order={self.order!r}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
@@ -207,9 +247,9 @@ class HigherOrderLinearAttention(nn.Module):
             v = v.repeat_interleave(self.num_kv_groups, dim=2)
         g = None
         if self.gate == "data":
-            g = F.logsigmoid(self.g_proj(x).float()) / self.gate_logit_normalizer
+            g = F.logsigmoid(_fp32_or_wider(self.g_proj(x))) / self.gate_logit_normalizer
         elif self.gate == "fixed":
-            g = self.log_decay.to(x.device)[None, None, :].expand(B, T, H)
+            g = self._fixed_gates(x)[None, None, :].expand(B, T, H)
         return q, k, v, g
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, past_key_values: HLACache | None = None,

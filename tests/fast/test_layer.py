@@ -94,7 +94,7 @@ def test_layer_matches_definition(order, gate, normalize):
     x = hidden_states(2, 13, 32)
     o, none, cache = layer(x)
     assert o.shape == x.shape and o.dtype == x.dtype and none is None and cache is None
-    assert rel(o, layer_by_definition(layer, x)) < TOL64 * 1e3  # hla_ref sums in another order
+    assert rel(o, layer_by_definition(layer, x)) < TOL64   # gates too: the float64 layer computes them in float64
 
 
 def _incremental(layer, x, splits):
@@ -196,6 +196,40 @@ def test_fixed_decays():
     assert "log_decay" not in layer.state_dict()  # a constant, rebuilt from num_heads
 
 
+@pytest.mark.parametrize("gate", ["fixed", "data"])
+def test_gates_follow_the_layer_dtype(gate):
+    """The log-gates are fp32 for bf16 and fp32 layers (a bf16 cast of the module leaves the fixed
+    decays fp32) and float64 for a float64 one, whose gate parameters then pass gradcheck."""
+    for dtype, want in ((torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+                        (torch.float64, torch.float64)):
+        layer = make_layer("hla2", gate, dtype=torch.float32).to(dtype)
+        g = layer._heads(hidden_states(1, 3, 32, dtype=dtype))[3]
+        assert g.dtype == want and g.shape == (1, 3, 2)
+    layer = make_layer("hla2", gate, hidden=8, head_dim=4)   # float64
+    x = hidden_states(1, 3, 8)
+    if gate == "fixed":
+        g = layer._heads(x)[3]
+        want = torch.pow(2.0, -torch.tensor([5.0, 10.0], dtype=torch.float64))   # 1 - gamma_h, exactly
+        assert torch.allclose(-torch.expm1(g[0, 0]), want, rtol=4 * 2.0 ** -52, atol=0)   # (fp32: 2^-24 off)
+    else:
+        def out(w):
+            return torch.func.functional_call(layer, {"g_proj.weight": w}, (x,))[0]
+
+        assert torch.autograd.gradcheck(out, (layer.g_proj.weight.detach().clone().requires_grad_(),))
+
+
+def test_layer_built_on_the_meta_device():
+    """Built on the meta device, materialized (to_empty) and loaded from a checkpoint, the layer
+    computes what the checkpoint's layer does: the fixed decays are made from num_heads, not kept."""
+    ref = make_layer("hla2", "fixed", heads=4, kv_heads=4, head_dim=8)
+    with torch.device("meta"):
+        layer = HigherOrderLinearAttention(32, 4, head_dim=8, order="hla2", gate="fixed", backend="torch")
+    layer = layer.to_empty(device="cpu").double()
+    layer.load_state_dict(ref.state_dict())
+    x = hidden_states(1, 5, 32)
+    assert torch.equal(layer(x)[0], ref(x)[0])
+
+
 def test_data_gates_are_log_gates():
     layer = make_layer("hla2", "data", dtype=torch.float32)
     _, _, _, g = layer._heads(hidden_states(2, 7, 32, dtype=torch.float32))
@@ -230,6 +264,8 @@ def test_cache_bookkeeping():
         c.update(True, st, 1)
     with pytest.raises(TypeError, match="state"):
         c.update(0, torch.ones(2), 1)
+    with pytest.raises(TypeError, match="state must be an HLA state NamedTuple .* got tuple"):
+        c.update(0, (1, 2), 1)
     with pytest.raises(ValueError, match="n_tokens"):
         c.update(0, st, 0)
 
@@ -266,6 +302,22 @@ def test_bad_arguments():
         HigherOrderLinearAttention(32, 2, backend="cuda")
     with pytest.raises(ValueError, match="layer_idx"):
         HigherOrderLinearAttention(32, 2, layer_idx=-1)
+    # numbers: real, finite, in range, never a bool or a string
+    for kw, err, msg in ((dict(eps=-1.0), ValueError, "eps must be a finite float >= 0"),
+                         (dict(eps=True), TypeError, "eps must be a finite float >= 0"),
+                         (dict(eps="a"), TypeError, "eps must be a finite float >= 0"),
+                         (dict(norm_eps=0.0), ValueError, "norm_eps must be a finite float > 0"),
+                         (dict(norm_eps=float("nan")), ValueError, "norm_eps must be a finite float > 0"),
+                         (dict(norm_eps=True), TypeError, "norm_eps must be a finite float > 0"),
+                         (dict(gate_logit_normalizer=float("inf")), ValueError, "gate_logit_normalizer must be"),
+                         (dict(gate_logit_normalizer=True), TypeError, "gate_logit_normalizer must be"),
+                         (dict(gate_bias_init=float("inf")), ValueError, "gate_bias_init must be a finite float"),
+                         (dict(gate_bias_init="3"), TypeError, "gate_bias_init must be a finite float"),
+                         (dict(gate_bias_init=True), TypeError, "gate_bias_init must be a finite float"),
+                         (dict(chunk_size=0), ValueError, "chunk_size must be an int >= 1"),
+                         (dict(chunk_size="16"), ValueError, "chunk_size must be an int >= 1")):
+        with pytest.raises(err, match=msg):
+            HigherOrderLinearAttention(32, 2, gate="data", **kw)
     layer = make_layer("hla2")
     x = hidden_states(1, 4, 32)
     with pytest.raises(ValueError, match="hidden_states"):

@@ -419,6 +419,20 @@ def test_weights_refuse_bad_input(module, name, kw):
     assert fn(Q[:0], K[:0], gamma=np.ones(0), **kw).shape == (0, 0)
 
 
+@pytest.mark.parametrize("masked", ["no", None, 0, 1])
+def test_hla2_weights_takes_masked_as_a_bool_only(masked):
+    Q, K, _ = good()
+    with pytest.raises(TypeError, match="masked must be True or False"):
+        hla_ref.hla2_weights(Q, K, masked=masked)
+
+
+@pytest.mark.parametrize("scale", [1j, "0.5", True, np.nan, np.inf])
+def test_softmax_scale_is_a_finite_real(scale):
+    Q, K, V = good()
+    with pytest.raises((TypeError, ValueError), match="scale"):
+        hla_ref.softmax_attention(Q, K, V, scale=scale)
+
+
 SEGMENTS = [("second_order", "hla2_segment"), ("asymmetric", "ahla_segment"),
             ("third_order", "hla3_segment"), ("third_order", "hla3_paper_segment")]
 
@@ -430,11 +444,16 @@ def test_segment_builders_refuse_bad_input(module, name):
     for gamma in (0.0, 1.5, np.nan):
         with pytest.raises(ValueError, match="gamma"):
             fn(q, k, v, gamma)
-    with pytest.raises(ValueError):
+    # each error names the argument as the builder spells it (q, k, v) and the shape it was given
+    with pytest.raises(ValueError, match=r"k must have the same shape \(d,\) as q \(3,\), got \(4,\)"):
         fn(q, np.ones(4), v, 0.5)
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match=r"q must have shape \(features,\) with ndim 1, got shape \(1, 3\)"):
+        fn(q[None], k, v, 0.5)
+    with pytest.raises(ValueError, match=r"v must have at least one feature"):
+        fn(q, k, np.ones(0), 0.5)
+    with pytest.raises(TypeError, match=r"\bq\b"):
         fn(q.astype(int), k, v, 0.5)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"\bq\b.*NaN"):
         fn(np.array([1.0, np.nan, 0.0]), k, v, 0.5)
     # a one-token segment takes that token's own factor: a float, not an array
     for gamma in (np.full(1, 0.5), [0.5], np.full(3, 0.5)):
@@ -455,3 +474,29 @@ def test_segment_builders_refuse_torch_tensors_by_name(module, name):
             fn(*args, 0.5)
     with pytest.raises(TypeError, match="gamma"):
         fn(q, k, v, torch.tensor(0.5))
+
+
+IDENTITIES = [("second_order", "hla2_identity", "hla2_combine", "hla2_segment"),
+              ("asymmetric", "ahla_identity", "ahla_combine", "ahla_segment"),
+              ("third_order", "hla3_identity", "hla3_combine", "hla3_segment"),
+              ("third_order", "hla3_paper_identity", "hla3_paper_combine", "hla3_paper_segment")]
+
+
+@pytest.mark.parametrize("module,identity,combine,segment", IDENTITIES, ids=lambda x: str(x))
+def test_identities_and_combines_refuse_bad_input(module, identity, combine, segment):
+    """An empty segment's sizes are integers >= 1; a combine takes two segments of its kind and of
+    one size (d, dv)."""
+    ident, comb, seg = func(module, identity), func(module, combine), func(module, segment)
+    for d, err in ((True, TypeError), (2.0, TypeError), (0, ValueError), (-1, ValueError)):
+        with pytest.raises(err, match=r"\bd must be"):
+            ident(d, 2)
+        with pytest.raises(err, match=r"\bdv must be"):
+            ident(2, d)
+    a = seg(np.ones(3), np.ones(3), np.ones(2), 0.5)
+    with pytest.raises(ValueError, match="segments of different sizes"):
+        comb(a, ident(2, 2))
+    with pytest.raises(ValueError, match="segments of different sizes"):
+        comb(ident(3, 4), a)
+    with pytest.raises(TypeError, match=f"B must be a {type(a).__name__}, got tuple"):
+        comb(a, tuple(a))
+    assert all(np.array_equal(x, y) for x, y in zip(comb(ident(3, 2), a), a))
