@@ -84,6 +84,8 @@ def test_learnable_gamma_is_refused_with_a_pointer_to_g(op):
         op.op(q, k, v, gamma=gamma)
     with pytest.raises(ValueError, match="gamma must be a single number"):
         op.op(q, k, v, gamma=torch.tensor([0.9, 0.8]))
+    with pytest.raises(TypeError, match="gamma is a tensor on the meta device"):
+        op.op(q, k, v, gamma=torch.tensor(0.9, device="meta"))
     o, _ = op.op(q, k, v, gamma=torch.tensor(0.9))  # a plain 0-d tensor is a number
     assert torch.isfinite(o).all()
 

@@ -45,7 +45,6 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ..common.compile import compile_ahead, launch_kernel
 from ..common.config import DEFAULT_CHUNK, ChunkConfig, refuse_layers, refuse_split_forward
@@ -53,8 +52,9 @@ from ..common.cumsum import GateSums, sums_at
 from ..common.gates import log_gamma, log_gate_grad
 from ..common.normalize import with_column, with_ones
 from ..common.launch import (
-    autograd_records, bf16_dots, cdiv, dot_precision, min_key_block, min_value_block, one_wave_segments, plan_pieces,
-    pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
+    autograd_records, bf16_dots, cdiv, dot_precision, kernel_backward, min_key_block, min_value_block,
+    one_wave_segments, plan_pieces, pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk,
+    value_block,
 )
 from .chunk_kernels import (
     ahla_bwd_dh_kernel, ahla_bwd_fold_kernel, ahla_bwd_grad_kernel, ahla_bwd_layer_kernel, ahla_bwd_state_kernel,
@@ -642,7 +642,7 @@ class AHLAChunkFunction(torch.autograd.Function):
         return o, PT, ET, pT, eT
 
     @staticmethod
-    @once_differentiable
+    @kernel_backward
     def backward(ctx, do, dPT, dET, dpT, deT):
         q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, r = ctx.saved_tensors
         want_dg = g is not None and ctx.needs_input_grad[3]

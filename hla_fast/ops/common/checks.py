@@ -52,6 +52,8 @@ def check_gamma(gamma):
                 "whose gradient the op returns")
         if gamma.numel() != 1:
             raise ValueError(f"gamma must be a single number in (0, 1], got a tensor of shape {tuple(gamma.shape)}")
+        if gamma.device.type == "meta":
+            raise TypeError("gamma is a tensor on the meta device, which holds no value: pass a float in (0, 1]")
         gamma = gamma.item()
     if isinstance(gamma, bool) or not isinstance(gamma, numbers.Real):
         raise TypeError(f"gamma must be None or a float in (0, 1], got {type(gamma).__name__}")

@@ -31,9 +31,13 @@ context, and the later betas of its chunk sit near -30, a size strong gates reac
 of g = -1), where fp32's spacing is 2e-6: each later sum rounds by at most 1e-6, so a decay across r
 tokens after the gate is off by at most about r * 1e-6 (1e-5 over a dozen tokens; notebook 09 shows
 one).
-The float64 torch path reads g as given. A decode step multiplies by exp(g) itself (no difference of
-sums) and needs no floor. The gradient of a floored gate is that of the floor value (about e^-30
-times the others: zero to fp32 precision, as the exact one is).
+float64 keeps about sixteen digits, so the same loss starts at larger gates (at g_s = -1e15 the
+outputs after the gate were 1e-2 off, at -1e17 1e-1): the float64 torch path floors each log-gate
+at GATE_FLOOR_64 = -50, a factor of 2e-22 against float64's resolution of 1.1e-16 (the margin the
+fp32 floor keeps), beyond which the later betas of its chunk sit near -50 and round by 7e-15.
+A decode step multiplies by exp(g) itself (no difference of sums) and needs no floor. The gradient
+of a floored gate is that of the floor value (about e^-30, or e^-50, times the others: zero to the
+path's precision, as the exact one is).
 """
 from __future__ import annotations
 
@@ -42,14 +46,15 @@ import math
 import torch
 
 
-# the smallest log-gate an fp32 path uses (module docstring, "The gate floor")
+# the smallest log-gate an fp32 path uses, and the float64 path (module docstring, "The gate floor")
 GATE_FLOOR = -30.0
+GATE_FLOOR_64 = -50.0
 
 
 def gate_floor(g: torch.Tensor) -> torch.Tensor:
-    """g as an fp32 path sums it: max(g, GATE_FLOOR); float64 log-gates as they are (module
-    docstring, "The gate floor"). Differentiable (zero gradient below the floor)."""
-    return g if g.dtype == torch.float64 else g.clamp_min(GATE_FLOOR)
+    """g as a path sums it: max(g, GATE_FLOOR) below float64, max(g, GATE_FLOOR_64) in float64
+    (module docstring, "The gate floor"). Differentiable (zero gradient below the floor)."""
+    return g.clamp_min(GATE_FLOOR_64 if g.dtype == torch.float64 else GATE_FLOOR)
 
 
 def log_gamma(gamma) -> float:
@@ -75,8 +80,8 @@ def call_gates(g, gamma, q: torch.Tensor):
 def chunk_local_cumsum(g: torch.Tensor, chunk: int) -> torch.Tensor:
     """beta [B, H, NT, C] from log-gates g [B, T, H]: the cumulative sum inside each chunk of
     ``chunk`` tokens. Padding past T adds 0, so padded rows repeat the chunk's last beta.
-    Differentiable (the torch backend relies on autograd through it). Below float64, each g is
-    floored first (:func:`gate_floor`), as the kernels do."""
+    Differentiable (the torch backend relies on autograd through it). Each g is floored first
+    (:func:`gate_floor`; below float64 as the kernels do)."""
     B, T, H = g.shape
     NT = -(-T // chunk)
     x = gate_floor(g).transpose(1, 2)

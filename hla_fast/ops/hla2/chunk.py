@@ -45,7 +45,6 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ..common.compile import compile_ahead, launch_kernel
 from ..ahla.chunk import ahla_config, layer_bwd, layer_fwd, normalized_layer_bwd, normalized_layer_fwd
@@ -53,8 +52,9 @@ from ..common.config import DEFAULT_CHUNK, ChunkConfig, chunk_or_default, refuse
 from ..common.cumsum import GateSums
 from ..common.gates import log_gamma, log_gate_grad
 from ..common.launch import (
-    autograd_records, bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments,
-    plan_pieces, pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
+    autograd_records, bf16_dots, cdiv, dot_precision, even_blocks, kernel_backward, min_key_block, min_value_block,
+    one_wave_segments, plan_pieces, pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk,
+    value_block,
 )
 from ..common.normalize import normalized_output_grad, quotient, with_column, with_ones
 from .chunk_kernels import (
@@ -621,7 +621,7 @@ class HLA2ChunkFunction(torch.autograd.Function):
         return o, sT, wT, zT
 
     @staticmethod
-    @once_differentiable
+    @kernel_backward
     def backward(ctx, do, dsT, dwT, dzT):
         q, k, q2, k2, v, g, s0, w0, z0, o, den, sT, wT, zT, cs_s, cs_w, cs_z = ctx.saved_tensors
         want_dg = g is not None and ctx.needs_input_grad[5]
@@ -839,7 +839,7 @@ class HLA2KeyBlockLayersFunction(torch.autograd.Function):
         return o, sT, wT
 
     @staticmethod
-    @once_differentiable
+    @kernel_backward
     def backward(ctx, do, dsT, dwT):
         k, v, g, s0t, w0, sT, wT, *blocks = ctx.saved_tensors
         n = ctx.n
@@ -903,7 +903,7 @@ class HLA2LayersFunction(torch.autograd.Function):
         return o, sT, wT, zT
 
     @staticmethod
-    @once_differentiable
+    @kernel_backward
     def backward(ctx, do, dsT, dwT, dzT):
         q, k, v, g, s0t, w0, z0, kp, o, den, sT, wT, zT, cs_s, cs_w, cs_z = ctx.saved_tensors
         want_dg = g is not None and ctx.needs_input_grad[3]

@@ -63,13 +63,12 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ..ahla.chunk import ahla_config, layer_bwd, layer_fwd, layer_pair_fwd
 from ..common.compile import compile_ahead, launch_kernel
 from ..common.config import ChunkConfig, chunk_or_default, refuse_ahla_fields, refuse_split_forward
 from ..common.cumsum import GateSums
-from ..common.launch import autograd_records, pow2_block, snapshot_dtype
+from ..common.launch import autograd_records, kernel_backward, pow2_block, snapshot_dtype
 from ..common.normalize import quotient, with_column, with_ones
 from ..common.gates import log_gate_grad
 from ..hla2 import chunk as hla2_chunk
@@ -237,7 +236,7 @@ class HLA3StagedFunction(torch.autograd.Function):
         return o, sT, pT, fT
 
     @staticmethod
-    @once_differentiable
+    @kernel_backward
     def backward(ctx, do, dsT, dpT, dfT):
         q, k, v, g, s0, p0, f0, r, kp, sT, pT, fT, cs_p, cs_s, cs_f = ctx.saved_tensors
         (cfg1, cfg2), gamma, launch = ctx.cfgs, ctx.gamma, ctx.launch
