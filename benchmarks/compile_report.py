@@ -125,11 +125,9 @@ def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, 
             chunk.bwd_launch(q, k, v, do, g, gamma, None, None, None, None, cfg, states=cs, want_db=gates,
                              dd=dd, launch=rec)
     elif op == "ahla":
-        common = dict(chunk=cfg.fwd_chunk, segments=cfg.fwd_segments, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v,
-                      stages=cfg.fwd_stages, launch=rec)
         snap = snapshot_dtype(cfg, dtype) if save else None
-        cs = chunk.fwd_launch(q, k, v, g, gamma, None, None, None, None, snapshots=snap, prefetch=cfg.fwd_prefetch,
-                              keep_r=cfg.bwd_layers, **common)[6]
+        cs = chunk.fwd_launch(q, k, v, g, gamma, None, None, None, None, snapshots=snap, keep_r=cfg.bwd_layers,
+                              launch=rec, **chunk.forward_layout(cfg))[6]
         if not forward_only:
             chunk.bwd_launch(q, k, v, do, g, gamma, None, None, None, None, cfg, states=cs, want_db=gates,
                              launch=rec)

@@ -247,6 +247,13 @@ def _common(q, gamma, g):
                 PREC=dot_precision(q.dtype)), log_gamma(gamma) if g is None else 0.0
 
 
+def forward_layout(cfg: ChunkConfig) -> dict:
+    """:func:`fwd_launch`'s layout keywords for the forward walks of ``cfg``: chunk, warps, block_v,
+    segments, prefetch and stages."""
+    return dict(chunk=cfg.fwd_chunk, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v, segments=cfg.fwd_segments,
+                prefetch=cfg.fwd_prefetch, stages=cfg.fwd_stages)
+
+
 def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, segments=1, prefetch=False,
                stages=1, outputs=True, normalize=False, eps=0.0, store_final=True, snapshots=None, keep_r=False,
                second=True, v2=None, p20=None, launch=launch_kernel):
@@ -372,9 +379,10 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
     NT, NV = cdiv(T, BT), cdiv(V, BV)
     snap = snapshot_dtype(cfg, q.dtype)
     if states is None or states[0].dtype != snap or (cfg.bwd_layers and states[2] is None):
-        states = fwd_launch(q, k, v, g, gamma, p0, e0, None, None, chunk=BT, warps=nw, block_v=cfg.fwd_block_v,
-                            segments=cfg.fwd_segments, prefetch=cfg.fwd_prefetch, stages=cfg.bwd_stages, outputs=False,
-                            store_final=False, snapshots=snap, keep_r=cfg.bwd_layers, launch=launch)[6]
+        # the forward walk again, in the backward's chunks and warps (its states serve this backward)
+        layout = dict(forward_layout(cfg), chunk=BT, warps=nw, stages=cfg.bwd_stages)
+        states = fwd_launch(q, k, v, g, gamma, p0, e0, None, None, outputs=False, store_final=False, snapshots=snap,
+                            keep_r=cfg.bwd_layers, launch=launch, **layout)[6]
     do = do.contiguous()
     if cfg.bwd_layers:
         return _bwd_layers(q, k, v, do, g, gamma, p0, dht_p, dht_e, cfg, states, want_db, launch)
@@ -523,8 +531,7 @@ def layer_fwd(q, k, v, g, gamma, p0, cfg: ChunkConfig, *, keep_states=False, lau
     :func:`layer_bwd` (in the snapshots' dtype). Returns (R [B, T, H, V] (v's dtype), P_T fp32
     [B, H, K, V], cs_p [B*H, NT, K, V] or None)."""
     r, _, PT, _, _, _, cs, _ = fwd_launch(
-        q, k, v, g, gamma, p0, None, None, None, chunk=cfg.fwd_chunk, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v,
-        segments=cfg.fwd_segments, prefetch=cfg.fwd_prefetch, stages=cfg.fwd_stages,
+        q, k, v, g, gamma, p0, None, None, None, **forward_layout(cfg),
         snapshots=snapshot_dtype(cfg, q.dtype) if keep_states else None, second=False, launch=launch)
     return r, PT, None if cs is None else cs[0]
 
@@ -537,8 +544,7 @@ def normalized_layer_fwd(q, k, v, g, gamma, p0, pn0, eps, cfg: ChunkConfig, *, k
     initial state) and eps; returns (O (v's dtype), den [B, T, H] fp32 (without eps), P_T, p_T fp32,
     cs_p, cs_pn ([B*H, NT, K] fp32) or None)."""
     o, den, PT, _, pT, _, cs, _ = fwd_launch(
-        q, k, v, g, gamma, p0, None, pn0, None, chunk=cfg.fwd_chunk, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v,
-        segments=cfg.fwd_segments, prefetch=cfg.fwd_prefetch, stages=cfg.fwd_stages, normalize=True, eps=eps,
+        q, k, v, g, gamma, p0, None, pn0, None, **forward_layout(cfg), normalize=True, eps=eps,
         snapshots=snapshot_dtype(cfg, q.dtype) if keep_states else None, second=False, launch=launch)
     return (o, den, PT, pT) + ((None, None) if cs is None else (cs[0], cs[3]))
 
@@ -554,8 +560,7 @@ def layer_pair_fwd(q, k, v, v2, g, gamma, p0, p20, cfg: ChunkConfig, *, keep_sta
     p20: fp32 [B, H, K, V], [B, H, K, V2] or None. keep_states: as :func:`layer_fwd`'s, each layer's.
     Returns (R, R2 (the values' dtypes), P_T, P2_T fp32, cs_p, cs_p2 ([B*H, NT, K, .]) or None)."""
     r, _, PT, _, _, _, cs, (r2, PT2, cs2) = fwd_launch(
-        q, k, v, g, gamma, p0, None, None, None, chunk=cfg.fwd_chunk, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v,
-        segments=cfg.fwd_segments, prefetch=cfg.fwd_prefetch, stages=cfg.fwd_stages,
+        q, k, v, g, gamma, p0, None, None, None, **forward_layout(cfg),
         snapshots=snapshot_dtype(cfg, q.dtype) if keep_states else None, second=False, v2=v2, p20=p20, launch=launch)
     return r, r2, PT, PT2, None if cs is None else cs[0], cs2
 
@@ -572,8 +577,7 @@ def ahla_fwd(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg: ChunkConf
     _check_config(cfg, q.shape[-1])
     save = keep_states and not normalize and cfg.fwd_chunk == cfg.bwd_chunk
     o, den, PT, ET, pT, eT, cs, _ = fwd_launch(
-        q, k, v, g, gamma, p0, e0, pn0, en0, chunk=cfg.fwd_chunk, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v,
-        segments=cfg.fwd_segments, prefetch=cfg.fwd_prefetch, stages=cfg.fwd_stages, normalize=normalize, eps=eps,
+        q, k, v, g, gamma, p0, e0, pn0, en0, **forward_layout(cfg), normalize=normalize, eps=eps,
         snapshots=snapshot_dtype(cfg, q.dtype) if save else None, keep_r=cfg.bwd_layers, launch=launch)
     cs = (None, None, None) if cs is None else cs[:3]
     return (o, den, PT, ET, pT, eT) + cs
