@@ -1,10 +1,10 @@
 """HLACache: the recurrent states of a stack of HLA layers between calls.
 
 A softmax-attention cache grows with every token (keys and values); an HLA layer's cache is a
-fixed-size state per layer (``HLA2State``, ``AHLAState`` or ``HLA3State``: fp32 tensors of shape
-[B, H, K, K] / [B, H, K, V] / [B, H, K]), replaced on every call. The cache holds one entry per
-``layer_idx`` and counts the tokens each layer has seen, so a prefill of T tokens followed by
-single-token calls continues exactly where the prefill stopped.
+fixed-size state per layer (``HLA2State``, ``AHLAState`` or ``HLA3State``: fp32 tensors, float64 for a
+float64 layer, of shape [B, H, K, K] / [B, H, K, V] / [B, H, K]), replaced on every call. The cache
+holds one entry per ``layer_idx`` and counts the tokens each layer has seen, so a prefill of T
+tokens followed by single-token calls continues exactly where the prefill stopped.
 """
 from __future__ import annotations
 

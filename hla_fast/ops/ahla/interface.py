@@ -44,8 +44,9 @@ def ahla(q, k, v, *, gamma=None, g=None, normalize=False, eps=1e-6, initial_stat
         output_final_state: also return the state after the last token.
         chunk_size: None (the default: 64 rows on the torch backend, ``ahla_config``'s chunks
             on triton: 128 rows for a bf16 forward with keys 65 to 128 wide that autograd does
-            not record, 64 otherwise) or the rows per chunk: 16, 32, 64 or 128 on triton (the
-            rule may take fewer), >= 1 on torch. The result does not depend on it.
+            not record, else 64 or fewer for wide heads, hla_fast/README.md) or the rows per
+            chunk: 16, 32, 64 or 128 on triton (the rule may take fewer), >= 1 on torch. The
+            result does not depend on it.
         backend: "triton", "torch" or None (triton for CUDA tensors, torch otherwise).
         config: a ChunkConfig for the triton backend (None: ``ahla_config``'s rule, its training
             layout when autograd records and an input requires grad); segments need K <= 128.
