@@ -212,7 +212,7 @@ def _define(order: str):
     @chunk_backward.register_fake
     def _(q, k, v, g, initial_state, grads, gamma, normalize, eps, output_final_state, chunk_size, backend):
         ins = [q, k, v] + ([g] if g is not None else []) + list(initial_state)
-        return [torch.empty_like(x) for x in ins]
+        return [x.new_empty(x.shape) for x in ins]   # contiguous, as the real op's (``_fresh``)
 
     def setup_context(ctx, inputs, output):
         q, k, v, g, initial_state, gamma, normalize, eps, output_final_state, chunk_size, backend = inputs

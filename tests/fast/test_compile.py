@@ -51,6 +51,24 @@ def test_opcheck(order, normalize):
 
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("normalize", [False, True])
+def test_opcheck_backward_on_strided_inputs(order, normalize):
+    """The backward op on inputs that are not contiguous (heads-first tensors transposed, a gate
+    expanded from one head, a state transposed twice): its fake gives the real op's contiguous
+    gradients, as Inductor's compiled backward relies on."""
+    _, backward, _ = library.OPS[order]
+    q, k, v, g, st = rand_inputs(order, normalize=normalize, gates=True, state=True, dtype=torch.float32)
+    q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))   # [B, H, T, D] in memory
+    g = g[:, :, :1].expand(g.shape)
+    st = [x.transpose(-1, -2).contiguous().transpose(-1, -2) if x.dim() == 4 else x for x in st]
+    assert not q.is_contiguous() and not g.is_contiguous()
+    gen = torch.Generator().manual_seed(7)
+    shapes = [v.shape] + [x.shape for x in st]
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    torch.library.opcheck(backward, (q, k, v, g, st, grads, None, normalize, 1e-6, True, 4, "torch"))
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("normalize", [False, True])
 def test_custom_op_gradients_match_operator(order, normalize):
     op, _, _ = library.resolve(order)
     q, k, v, g, st = rand_inputs(order, normalize=normalize, gates=True, state=True)

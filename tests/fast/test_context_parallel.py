@@ -286,22 +286,60 @@ def _cp_case(name, rank, world, cuts, kind, normalize, init, backend, dtype, chu
 
 
 def _bad_calls(rank):
-    """Calls that must fail on every rank alike (no rank left waiting in a collective): the
-    messages each rank got."""
+    """Calls that must fail on every rank (no rank left waiting in a collective): the type and
+    message of the error each rank got. Disagreements raise the same error everywhere; a rank
+    whose own inputs are refused (a positive gate on the last rank, a state of the wrong dtype on
+    the first) raises its error and every other rank one that names it."""
     q, k, v = rand_qkv(1, 3, 1, 2, 2 + rank, seed=rank)
+    v2 = v[..., :2]
+    last = rank == dist_world() - 1
+    g = torch.full((1, 3, 1), 0.5 if last else -0.1)
+    bad_state = hla_fast.HLA2State(torch.zeros(1, 1, 2, 2, dtype=torch.float64), torch.zeros(1, 1, 2, 2))
     msgs = {}
     for case, call in {
         "V differs": lambda: hla_fast.context_parallel("hla2", q, k, v),
         "late initial_state": lambda: hla_fast.context_parallel(
-            "hla2", q, k, v[..., :2],
+            "hla2", q, k, v2,
             initial_state=None if rank == 0 else hla_fast.HLA2State(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))),
+        "positive gate on the last rank": lambda: hla_fast.context_parallel("hla2", q, k, v2, g=g),
+        "bad state on the first rank": lambda: hla_fast.context_parallel(
+            "hla2", q, k, v2, initial_state=bad_state if rank == 0 else None),
+        "eps nan": lambda: hla_fast.context_parallel("hla2", q, k, v2, normalize=True, eps=float("nan")),
     }.items():
         try:
             call()
             msgs[case] = "no error"
-        except ValueError as err:
-            msgs[case] = str(err)
+        except (ValueError, TypeError, RuntimeError) as err:
+            msgs[case] = f"{type(err).__name__}: {err}"
     return msgs
+
+
+def dist_world():
+    import torch.distributed as dist
+    return dist.get_world_size()
+
+
+def _subgroup_case(rank, world):
+    """context_parallel over a group of ranks 1 and 2 (not the default group, not starting at
+    global rank 0), float64: on its members the errors of the output and gradients against one
+    process; {} elsewhere. (Every rank creates the group, as torch.distributed requires.)"""
+    import torch.distributed as dist
+    group = dist.new_group([1, 2])
+    if rank not in (1, 2):
+        return {}
+    q, k, v, g, kw, _ = _case_inputs("hla2", 9, "g", False, False, seed=9)
+    o_ref, _, g_ref, (w, wf) = _reference("hla2", q, k, v, g, kw, None, False, dict(backend="torch", chunk_size=4))
+    a, b = (0, 4) if rank == 1 else (4, 9)
+    q, k, v, g = (_leaf(x[:, a:b]) for x in (q, k, v, g))
+    o, final = hla_fast.context_parallel("hla2", q, k, v, g=g, group=group, output_final_state=True, chunk_size=4,
+                                         backend="torch")
+    loss = (o * w[:, a:b]).sum()
+    if rank == 2:   # the final state's cotangent enters on one rank (_reference's loss)
+        loss = loss + _final_loss(final, wf)
+    loss.backward()
+    errs = {"o": rel(o, o_ref[:, a:b]), "tol": 1e-10}
+    errs.update({f"d{n}": rel(x.grad, g_ref[n][:, a:b]) for n, x in (("q", q), ("k", k), ("v", v), ("g", g))})
+    return errs
 
 
 LAYER_CASES = [("hla2", "data"), ("ahla", "fixed"), ("hla3", "none")]
@@ -377,6 +415,8 @@ def _worker(rank, world, init_file, out_dir, names, cuts, with_triton, mode="glo
                 result["hla2-triton-g-init"] = _cp_case(
                     "hla2", rank, world, cuts, "g", False, True, "triton", torch.float32, 16) | {"tol": 1e-5}
             result["errors"] = _bad_calls(rank)
+            if world >= 3:
+                result["subgroup"] = _subgroup_case(rank, world)
         dist.barrier()
         dist.destroy_process_group()
     except Exception:  # reported to the parent, which fails the test with it
@@ -428,8 +468,21 @@ def test_gloo_matches_single_process(world, cuts, tmp_path):
     results = _spawn(world, tmp_path, names, cuts, with_triton=with_triton)
     for r, res in enumerate(results):
         msgs = res.pop("errors")
-        assert msgs["V differs"].startswith("context_parallel: the ranks disagree on V: [2.0, 3.0"), (r, msgs)
+        assert msgs["V differs"].startswith("ValueError: context_parallel: the ranks disagree on V: [2.0, 3.0"), (r, msgs)
         assert "ranks [1" in msgs["late initial_state"] and "must pass None" in msgs["late initial_state"], (r, msgs)
+        assert msgs["eps nan"] == "ValueError: eps must be a finite float >= 0, got nan", (r, msgs)
+        for case, culprit in (("positive gate on the last rank", world - 1), ("bad state on the first rank", 0)):
+            if r == culprit:   # its own error
+                assert msgs[case].startswith(("ValueError: g", "TypeError: initial_state")), (r, case, msgs[case])
+            else:
+                assert msgs[case].startswith(f"RuntimeError: context_parallel: rank(s) [{culprit}] of the group "
+                                             f"refused their inputs"), (r, case, msgs[case])
+        if world >= 3:   # a group of global ranks 1 and 2 trains too
+            sub = res.pop("subgroup")
+            if r in (1, 2):
+                _assert_close(r, {"subgroup": sub})
+            else:
+                assert sub == {}, (r, sub)
         assert len(res) == len(names) * 3 + with_triton, (r, sorted(res))
         _assert_close(r, res)
 

@@ -7,9 +7,9 @@ Forward, on every rank ``r`` of ``R`` (``hla_fast/ops/cp/summaries.py`` defines 
        the final state; with the slice's extra pieces (torch einsums) and ``log rho`` this is the
        slice's summary, a few ``[B, H, K, .]`` tensors whose size does not depend on the slice
        length. Rank 0's summary is its state itself: the head of every fold.
-    2. all-gather the summaries, flattened into one ``[B, H, n]`` buffer per rank, with
-       ``torch.distributed.nn.functional.all_gather`` (autograd-aware: its backward sums every
-       rank's cotangent for a summary back into the rank that made it).
+    2. all-gather the summaries, flattened into one ``[B, H, n]`` buffer per rank (:class:`_AllGather`,
+       autograd-aware: its backward sums every rank's cotangent for a summary back into the rank
+       that made it).
     3. fold rank 0's state and the summaries of ranks ``1 .. r - 1`` in order with the operator's
        combine: the exact state after the last token of rank ``r - 1``.
     4. run the operator on the slice again from that start state (rank 0 keeps its output of step
@@ -18,7 +18,8 @@ Forward, on every rank ``r`` of ``R`` (``hla_fast/ops/cp/summaries.py`` defines 
 The final state, when asked for, is the fold of every rank's summary, returned on every rank.
 Backward mirrors this through autograd: the second run's gradients flow into the start state, the
 fold's into the gathered summaries, the all-gather's backward (a reduce-scatter; on gloo an
-all-to-all and a sum) into each rank's own summary, and the first run's into the slice's inputs.
+all-reduce of every rank's cotangents, of which each keeps its own) into each rank's own summary,
+and the first run's into the slice's inputs.
 A later rank's output reads the gathered summaries through its start state; rank 0's output is
 tied to them (:class:`_Tie`, a copy whose backward sends them zeros), so every rank's backward
 reaches the collective: every rank must backpropagate through its output or final state, as with
@@ -29,16 +30,19 @@ AHLA one einsum pass over the slice; HLA3 a first-order linear attention over it
 combines of ``O(K^2 V)``; one all-gather of ``R`` summaries (:func:`hla_fast.ops.cp.summaries.summary_numbers`
 numbers per batch row and head, each) forward and one reduce-scatter of the same size backward.
 
+Errors. With ``check_ranks`` (the default) each rank first checks its arguments and runs step 1,
+then a small all-gather of the call's sizes and settings, and of whether the rank failed so far,
+precedes the exchange: a rank whose inputs were refused raises its own error and every other rank
+raises one that names it, instead of waiting inside the exchange for it.
+
 ``run_slices`` runs the same steps for all slices in one process (the exchange is a list): the
 algorithm without processes, which tests use to check every operator quickly.
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-from ..common.checks import check_flag, check_gamma, check_gates, check_qkv
+from ..common.checks import check_eps, check_flag, check_gamma, check_gates, check_qkv
 from ..common.gates import gates_from_gamma
 from .summaries import SUMMARIES
 
@@ -51,6 +55,36 @@ def _spec(op):
     if not isinstance(name, str) or name not in SUMMARIES:
         raise ValueError(f"op must be one of {sorted(SUMMARIES)} or hla_fast's function of that name, got {op!r}")
     return SUMMARIES[name]
+
+
+class _AllGather(torch.autograd.Function):
+    """Every rank's ``[B, H, n]`` buffer x on every rank (a tuple in group-rank order),
+    differentiable: the backward gives each rank the sum over the ranks of the cotangents held for
+    its own buffer, by a reduce-scatter on NCCL and elsewhere (gloo) by an all-reduce of the stacked
+    cotangents of which the rank keeps its row. (The backward of
+    ``torch.distributed.nn.functional.all_gather`` on gloo took group ranks for global ones and
+    failed on any group but the default one.)"""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+        ctx.group = group
+        out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, x.contiguous(), group=group)
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        import torch.distributed as dist
+        rank = dist.get_rank(ctx.group)
+        if dist.get_backend(ctx.group) in (dist.Backend.NCCL, getattr(dist.Backend, "XCCL", "xccl")):
+            mine = torch.empty_like(grads[rank], memory_format=torch.contiguous_format)
+            dist.reduce_scatter(mine, [x.contiguous() for x in grads], group=ctx.group)
+        else:   # gloo has no reduce-scatter
+            stacked = torch.stack(grads)                              # [R, B, H, n]
+            dist.all_reduce(stacked, group=ctx.group)
+            mine = stacked[rank]
+        return mine, None
 
 
 class _Tie(torch.autograd.Function):
@@ -131,13 +165,15 @@ def _state(spec, State, state, normalize):
     return State(*(state[f] if f in state else None for f in spec.state[1]))
 
 
-def _check_local(q, k, v, gamma, g, normalize, output_final_state):
+def _check_local(q, k, v, gamma, g, normalize, eps, output_final_state):
+    """The arguments one slice's call checks before any exchange; returns (gamma, g, eps)."""
     check_qkv(q, k, v, seq=True)
     gamma = check_gamma(gamma)
     g = check_gates(g, gamma, q, seq=True)
     check_flag(normalize, "normalize")
+    eps = check_eps(eps)
     check_flag(output_final_state, "output_final_state")
-    return gamma, g
+    return gamma, g, eps
 
 
 def context_parallel(op, q, k, v, *, group=None, gamma=None, g=None, normalize=False, eps=1e-6,
@@ -166,30 +202,34 @@ def context_parallel(op, q, k, v, *, group=None, gamma=None, g=None, normalize=F
         the concatenated slices, forward and backward, to the precision's tolerance.
     """
     import torch.distributed as dist
-    from torch.distributed.nn.functional import all_gather
 
     spec = _spec(op)
     fn, State = spec.resolve()
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("context_parallel needs torch.distributed initialized (init_process_group) first")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    gamma, g = _check_local(q, k, v, gamma, g, normalize, output_final_state)
+    if rank < 0:
+        raise ValueError("context_parallel: this process is not a member of group (run the call on the group's "
+                         "ranks only)")
     check_flag(check_ranks, "check_ranks")
     late_init = rank != 0 and initial_state is not None
+    failure = None
+    try:   # this rank's checks and first pass; with check_ranks a failure is reported to every rank below
+        gamma, g, eps = _check_local(q, k, v, gamma, g, normalize, eps, output_final_state)
+        if late_init and not check_ranks:
+            raise ValueError(
+                f"initial_state is read on the group's first rank only; rank {rank} of the group must pass None")
+        kw = dict(gamma=gamma, g=g, normalize=normalize, eps=eps, chunk_size=chunk_size, backend=backend,
+                  config=config)
+        layout = _layout(spec, q.shape[-1], v.shape[-1], normalize)
+        o, summary = _first_pass(spec, fn, q, k, v, rank == 0, initial_state, kw)
+    except Exception as exc:
+        if not check_ranks:
+            raise
+        failure = exc
     if check_ranks:  # raises on every rank alike, so no rank is left waiting in the exchange
-        _check_ranks(dist, group, world, q, v, gamma, g, normalize, eps, chunk_size, late_init)
-    elif late_init:
-        raise ValueError(
-            f"initial_state is read on the group's first rank only; rank {rank} of the group must pass None")
-    kw = dict(gamma=gamma, g=g, normalize=normalize, eps=eps, chunk_size=chunk_size, backend=backend, config=config)
-    B, _, H, K = q.shape
-    V = v.shape[-1]
-    layout = _layout(spec, K, V, normalize)
-    o, summary = _first_pass(spec, fn, q, k, v, rank == 0, initial_state, kw)
-    with warnings.catch_warnings():
-        # newer torch marks this autograd-aware all-gather deprecated in favour of a private module
-        warnings.simplefilter("ignore", FutureWarning)
-        gathered = all_gather(_flatten(summary, layout), group=group)
+        _check_ranks(dist, group, world, rank, failure, q, v, gamma, g, normalize, eps, chunk_size, late_init)
+    gathered = _AllGather.apply(_flatten(summary, layout), group)
     entries = [_unflatten(x, layout) for x in gathered]
     if rank > 0:  # the start state reads the gathered summaries: the exchange is on this backward path
         start = _state(spec, State, _fold(spec, entries, rank, normalize), normalize)
@@ -200,23 +240,36 @@ def context_parallel(op, q, k, v, *, group=None, gamma=None, g=None, normalize=F
     return o, final
 
 
-def _check_ranks(dist, group, world, q, v, gamma, g, normalize, eps, chunk_size, late_init):
-    """Raise on every rank (the same error) if the ranks' sizes or settings differ, or if a rank
-    after the first passed an initial_state."""
-    B, _, H, K = q.shape
+def _check_ranks(dist, group, world, rank, failure, q, v, gamma, g, normalize, eps, chunk_size, late_init):
+    """Raise on every rank if a rank failed its checks or first pass (that rank: its own error; the
+    others: one naming it), if the ranks' sizes or settings differ, or if a rank after the first
+    passed an initial_state (the same error on every rank)."""
     names = ["B", "H", "K", "V", "dtype", "normalize", "gamma", "g given", "eps", "chunk_size"]
-    meta = torch.tensor([B, H, K, v.shape[-1], _DTYPES.index(q.dtype), float(normalize),
-                         -1.0 if gamma is None else gamma, float(g is not None), eps,
-                         float(chunk_size) if isinstance(chunk_size, int) else -1.0, float(late_init)],
-                        dtype=torch.float64, device=q.device)
+    if isinstance(q, torch.Tensor):
+        device = q.device
+    else:   # a collective's buffer lives where its backend reads: NCCL's on the current GPU
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    if failure is None:
+        B, _, H, K = q.shape
+        meta = [B, H, K, v.shape[-1], _DTYPES.index(q.dtype), float(normalize), -1.0 if gamma is None else gamma,
+                float(g is not None), eps, float(chunk_size) if isinstance(chunk_size, int) else -1.0]
+    else:
+        meta = [0.0] * len(names)
+    meta = torch.tensor(meta + [float(late_init), float(failure is not None)], dtype=torch.float64, device=device)
     out = [torch.empty_like(meta) for _ in range(world)]
     dist.all_gather(out, meta, group=group)
     table = torch.stack(out).cpu()
+    failed = [r for r in range(world) if table[r, -1] != 0]
+    if failure is not None:
+        raise failure
+    if failed:
+        raise RuntimeError(f"context_parallel: rank(s) {failed} of the group refused their inputs or failed before "
+                           f"the exchange (their own errors say why); rank {rank} stops with them")
     for i, name in enumerate(names):
         col = table[:, i]
         if not bool((col == col[0]).all()):
             raise ValueError(f"context_parallel: the ranks disagree on {name}: {col.tolist()} (rank order)")
-    late = [r for r in range(world) if table[r, -1] != 0]
+    late = [r for r in range(world) if table[r, -2] != 0]
     if late:
         raise ValueError(f"initial_state is read on the group's first rank only; ranks {late} of the group "
                          "must pass None")
@@ -237,7 +290,7 @@ def run_slices(op, qs, ks, vs, *, gs=None, gamma=None, normalize=False, eps=1e-6
                          f"{len(qs)}, {len(ks)}, {len(vs)}, {len(gs)}")
     outs, flats = [], []
     for r in range(R):
-        gamma_r, g_r = _check_local(qs[r], ks[r], vs[r], gamma, gs[r], normalize, output_final_state)
+        gamma_r, g_r, eps = _check_local(qs[r], ks[r], vs[r], gamma, gs[r], normalize, eps, output_final_state)
         dims = (qs[r].shape[0], qs[r].shape[2], qs[r].shape[3], vs[r].shape[3])
         if r == 0:
             B, H, K, V = dims
