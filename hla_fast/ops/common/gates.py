@@ -2,9 +2,11 @@
 
 Convention (flash-linear-attention's ``g`` of ``chunk_simple_gla``): ``g[b, t, h] <= 0`` is the log of
 the factor a_t in (0, 1] that every prefix moment is multiplied by at token t, and
-b_t = sum_{s <= t} g_s. An operator of order p weights a term by exp(p b_t - sum of b over its summed
-indices) (HLA2: exp(2 b_t - b_i - b_j)). A constant decay gamma is g = log(gamma) at every token;
-no decay is g = 0.
+b_t = sum_{s <= t} g_s. A term is weighted by the gates each of its decayed indices has been
+through: the symmetric operators of order p by exp(p b_t - sum of b over their summed indices)
+(HLA2: exp(2 b_t - b_i - b_j); third order: exp(3 b_t - b_i - b_u - b_j)), AHLA, whose inner moment
+k_i q_i^T is not decayed, by exp(b_t - b_j). A constant decay gamma is g = log(gamma) at every
+token; no decay is g = 0.
 
 Inside a chunk only differences of b enter, so the kernels use the chunk-local cumulative sum
 beta_r = b_{start + r} - b_{start - 1} (r = 0 .. C-1, <= 0 and non-increasing). Every factor a kernel
