@@ -151,6 +151,21 @@ def test_default_chunk_size(op, device):
         assert torch.equal(op.op(*x, backend=backend)[0], op.op(*x, chunk_size=64, backend=backend)[0]), backend
 
 
+@OPS
+def test_config_is_the_triton_layout_alone(op):
+    """A config sets the Triton kernels' whole layout: on the torch backend it is refused (not
+    ignored), and a chunk_size beside it must be None or the config's own chunks (not ignored)."""
+    q, k, v = _qkv(T=20)
+    cfg = hla_fast.ChunkConfig(fwd_chunk=16, bwd_chunk=16, fwd_block_v=16)
+    with pytest.raises(ValueError, match="config is a layout of the triton backend's kernels; backend 'torch'"):
+        op.op(q, k, v, backend="torch", config=cfg)
+    with pytest.raises(ValueError, match=r"chunk_size=32 asks for chunks the config does not have"):
+        op.op(q, k, v, backend="triton", chunk_size=32, config=cfg)
+    a, _ = op.op(q, k, v, backend="triton", chunk_size=16, config=cfg)
+    b, _ = op.op(q, k, v, backend="triton", config=cfg)
+    assert torch.equal(a, b)
+
+
 def test_config_fields_are_checked():
     cfg = hla_fast.ChunkConfig()
     for field, bad in [("fwd_chunk", 48), ("bwd_chunk", True), ("fwd_segments", 0), ("bwd_warps", 3),

@@ -49,7 +49,8 @@ def ahla(q, k, v, *, gamma=None, g=None, normalize=False, eps=1e-6, initial_stat
             result does not depend on it.
         backend: "triton", "torch" or None (triton for CUDA tensors, torch otherwise).
         config: a ChunkConfig for the triton backend (None: ``ahla_config``'s rule, its training
-            layout when autograd records and an input requires grad); segments need K <= 128.
+            layout when autograd records and an input requires grad); segments need K <= 128. Its
+            chunks are the call's (chunk_size None or the same). Refused on the torch backend.
         cu_seqlens: None, or int32 offsets [N + 1] of N sequences packed along T (B == 1);
             initial_state and the final state then have N rows. Runs as a padded batch of N
             (``hla_fast/ops/common/varlen.py``: exact; costs N * max length rows).

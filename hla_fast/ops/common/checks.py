@@ -237,16 +237,28 @@ def check_sequence_options(output_final_state, chunk_size, backend: str, config,
     stages of kernels also a tuple of one ChunkConfig a stage)."""
     check_flag(output_final_state, "output_final_state")
     check_chunk_size(chunk_size, backend)
-    if config is None or isinstance(config, ChunkConfig):
+    if config is None:
         return
-    if stages > 1 and isinstance(config, tuple):
-        if len(config) == stages and all(isinstance(c, ChunkConfig) for c in config):
-            return
-        got = f"a tuple of {len(config)}: ({', '.join(type(c).__name__ for c in config)})"
+    if isinstance(config, ChunkConfig):
+        configs = (config,)
+    elif stages > 1 and isinstance(config, tuple) and len(config) == stages and all(
+            isinstance(c, ChunkConfig) for c in config):
+        configs = config
     else:
-        got = type(config).__name__
-    want = f", a tuple of {stages} ChunkConfigs (one a stage)" if stages > 1 else ""
-    raise TypeError(f"config must be a ChunkConfig{want} or None, got {got}")
+        if stages > 1 and isinstance(config, tuple):
+            got = f"a tuple of {len(config)}: ({', '.join(type(c).__name__ for c in config)})"
+        else:
+            got = type(config).__name__
+        want = f", a tuple of {stages} ChunkConfigs (one a stage)" if stages > 1 else ""
+        raise TypeError(f"config must be a ChunkConfig{want} or None, got {got}")
+    # a config is the whole layout of the Triton kernels: nothing else may ask for one it overrides
+    if backend != "triton":
+        raise ValueError(f"config is a layout of the triton backend's kernels; backend {backend!r} takes none "
+                         f"(pass config=None, or backend='triton')")
+    if chunk_size is not None and any(c.fwd_chunk != chunk_size or c.bwd_chunk != chunk_size for c in configs):
+        chunks = [(c.fwd_chunk, c.bwd_chunk) for c in configs]
+        raise ValueError(f"chunk_size={chunk_size} asks for chunks the config does not have (fwd_chunk, bwd_chunk: "
+                         f"{chunks}): with a config pass chunk_size=None, its chunks are the config's")
 
 
 def check_state(state, cls, want: dict, optional: set, q, name: str):

@@ -44,7 +44,8 @@ def hla2(q, k, v, *, gamma=None, g=None, normalize=False, eps=1e-6, initial_stat
             on triton) or the rows per chunk: 16, 32, 64 or 128 on triton (the rule may take
             fewer), >= 1 on torch. The result does not depend on it.
         backend: "triton", "torch" or None (triton for CUDA tensors, torch otherwise).
-        config: a ChunkConfig for the triton backend (None: ``hla2_config``'s measured rule).
+        config: a ChunkConfig for the triton backend (None: ``hla2_config``'s measured rule); its
+            chunks are the call's (chunk_size None or the same). Refused on the torch backend.
         cu_seqlens: None, or int32 offsets [N + 1] of N sequences packed along T (B == 1);
             initial_state and the final state then have N rows. Runs as a padded batch of N
             (``hla_fast/ops/common/varlen.py``: exact; costs N * max length rows).

@@ -61,7 +61,8 @@ def hla3(q, k, v, *, gamma=None, g=None, normalize=False, eps=1e-6, initial_stat
             save_states; the second, on HLA2's fused kernels, those but fwd_prefetch, and
             bwd_segments, bwd_stages, grad_parts, bwd_pieces, fwd_output_pass and
             fwd_row_blocks; with ``layers`` (two first-order layers) the first stage's fields,
-            and ``fwd_shared_walk`` (one config, not a pair: R and K' in one forward walk).
+            and ``fwd_shared_walk`` (one config, not a pair: R and K' in one forward walk). Its
+            chunks are the call's (chunk_size None or the same). Refused on the torch backend.
         cu_seqlens: None, or int32 offsets [N + 1] of N sequences packed along T (B == 1);
             initial_state and the final state then have N rows. Runs as a padded batch of N
             (``hla_fast/ops/common/varlen.py``: exact; costs N * max length rows).
