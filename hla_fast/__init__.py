@@ -20,6 +20,16 @@ The operators live in ``hla_fast.ops`` (one folder each, on the shared ``hla_fas
 cache ``HLACache``); ``hla_fast.ops.library`` registers the operators as ``torch.library`` custom ops
 (namespace ``hla``) so that ``torch.compile`` sees them.
 """
+import importlib.util
+
+# `pip install hla` brings NumPy only (hla_ref's one dependency); hla_fast needs its extra
+for _name in ("torch", "triton"):
+    if importlib.util.find_spec(_name) is None:
+        raise ModuleNotFoundError(f"hla_fast needs PyTorch and Triton, which `pip install hla` alone does not install "
+                                  f"({_name} is missing): pip install 'hla[fast]' (hla_ref needs NumPy only)",
+                                  name=_name)
+del _name
+
 from .ops.common.config import ChunkConfig
 from .ops.ahla import AHLAState, ahla, ahla_step
 from .ops.cp import context_parallel

@@ -201,3 +201,20 @@ def test_no_file_names_a_directory_of_the_machine_that_wrote_it():
     found = [f"{rel}: {m.group(0).decode()}" for rel, data in _tracked_text_files()
              for m in [_MACHINE_DIRS.search(data)] if m]
     assert not found, found
+
+
+def test_hla_fast_without_torch_names_what_to_install():
+    """`pip install hla` brings NumPy only: without torch (or Triton), hla_ref works, and importing
+    hla_fast says which extra brings them instead of failing deep inside an import."""
+    for missing in ("torch", "triton"):
+        code = (f"import sys; sys.modules[{missing!r}] = None  # as if it were not installed\n"
+                "import numpy as np, hla_ref\n"
+                "assert hla_ref.hla2_naive(np.ones((2, 3)), np.ones((2, 3)), np.ones((2, 1))).shape == (2, 1)\n"
+                "try:\n"
+                "    import hla_fast\n"
+                "except ModuleNotFoundError as exc:\n"
+                "    print(exc.name, exc)\n")
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert run.stdout.startswith(f"{missing} hla_fast needs PyTorch and Triton"), run.stdout
+        assert f"({missing} is missing): pip install 'hla[fast]'" in run.stdout, run.stdout
