@@ -102,7 +102,7 @@ def with_layout(first_changes, second_changes):
     stage run as layers sets both stages (one config: the first stage is its walk), so there
     ``first_changes`` must be ``second_changes`` or empty."""
     from ab_revision import rule_config
-    from hla_fast.ops.common.launch import autograd_records
+    from hla_fast.ops.common.autograd import autograd_records
 
     def call(q, k, v):
         cfg = rule_config("hla3", q, v, second_changes, autograd_records(q, k, v))

@@ -71,15 +71,12 @@ with known output shapes; in eager mode it calls them directly.
 """
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops import library
-from ..ops.common.checks import check_eps
+from ..ops.common.checks import check_eps, check_finite_float
 from .cache import HLACache
 
 GATES = ("none", "fixed", "data")
@@ -111,17 +108,6 @@ def fixed_log_decays(num_heads: int) -> torch.Tensor:
 def _positive_int(x, name):
     if isinstance(x, bool) or not isinstance(x, int) or x < 1:
         raise ValueError(f"{name} must be an int >= 1, got {x!r}")
-    return x
-
-
-def _finite_float(x, name, lower=None):
-    """x as a float: a real number (not a bool, not a string), finite, and > ``lower`` when given."""
-    want = "a finite float" + ("" if lower is None else f" > {lower}")
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise TypeError(f"{name} must be {want}, got {x!r}")
-    x = float(x)
-    if not math.isfinite(x) or (lower is not None and not x > lower):
-        raise ValueError(f"{name} must be {want}, got {x!r}")
     return x
 
 
@@ -174,12 +160,12 @@ class HigherOrderLinearAttention(nn.Module):
             raise ValueError(f"qk_norm must be 'l2' or None, got {qk_norm!r}")
         if not isinstance(output_norm, bool):
             raise TypeError(f"output_norm must be True or False, got {output_norm!r}")
-        gate_logit_normalizer = _finite_float(gate_logit_normalizer, "gate_logit_normalizer", lower=0)
-        gate_bias_init = _finite_float(gate_bias_init, "gate_bias_init")
+        gate_logit_normalizer = check_finite_float(gate_logit_normalizer, "gate_logit_normalizer", above=0)
+        gate_bias_init = check_finite_float(gate_bias_init, "gate_bias_init")
         if chunk_size is not None:   # the operator checks what its backend takes (triton: 16 to 128)
             _positive_int(chunk_size, "chunk_size")
         eps = check_eps(eps)
-        norm_eps = _finite_float(norm_eps, "norm_eps", lower=0)
+        norm_eps = check_finite_float(norm_eps, "norm_eps", above=0)
         if layer_idx is not None and (isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0):
             raise ValueError(f"layer_idx must be None or an int >= 0, got {layer_idx!r}")
         if backend not in (None, "triton", "torch"):

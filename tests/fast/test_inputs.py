@@ -112,6 +112,23 @@ def test_bad_gates(op):
         op.op(q, k, v, g=g.to("meta"))
 
 
+def test_finite_float_names_the_argument_and_its_bound():
+    from hla_fast.ops.common.checks import check_finite_float
+    assert check_finite_float(2, "x", above=0) == 2.0 and type(check_finite_float(2, "x")) is float
+    assert check_finite_float(0, "x", at_least=0) == 0.0
+    for bad, err, msg in ((True, TypeError, "x must be a finite float > 0, got bool True"),
+                          ("1", TypeError, "x must be a finite float > 0, got str '1'"),
+                          (1j, TypeError, "x must be a finite float > 0, got complex 1j"),
+                          (0.0, ValueError, "x must be a finite float > 0, got 0.0"),
+                          (float("nan"), ValueError, "x must be a finite float > 0, got nan"),
+                          (float("inf"), ValueError, "x must be a finite float > 0, got inf")):
+        with pytest.raises(err) as e:
+            check_finite_float(bad, "x", above=0)
+        assert str(e.value) == msg
+    with pytest.raises(ValueError, match=r"y must be a finite float >= 0, got -1.0"):
+        check_finite_float(-1, "y", at_least=0)
+
+
 @OPS
 def test_flags_and_numbers(op, device):
     q, k, v = _qkv(device=device)

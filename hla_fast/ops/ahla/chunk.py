@@ -47,14 +47,14 @@ import functools
 import torch
 
 from ..common.compile import compile_ahead, launch_kernel
+from ..common.autograd import autograd_records, kernel_backward
 from ..common.config import DEFAULT_CHUNK, ChunkConfig, refuse_layers, refuse_split_forward
 from ..common.cumsum import GateSums, sums_at
 from ..common.gates import log_gamma, log_gate_grad
 from ..common.normalize import with_column, with_ones
 from ..common.launch import (
-    autograd_records, bf16_dots, cdiv, dot_precision, kernel_backward, min_key_block, min_value_block,
-    one_wave_segments, plan_pieces, pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk,
-    value_block,
+    bf16_dots, cdiv, dot_precision, min_key_block, min_value_block, one_wave_segments, plan_pieces, pow2_block,
+    rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
 )
 from .chunk_kernels import (
     ahla_bwd_dh_kernel, ahla_bwd_fold_kernel, ahla_bwd_grad_kernel, ahla_bwd_layer_kernel, ahla_bwd_state_kernel,

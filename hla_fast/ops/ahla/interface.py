@@ -4,7 +4,7 @@ from __future__ import annotations
 from ..common.checks import check_call, check_sequence_options, check_state, zero_state
 from ..common.config import chunk_or_default
 from ..common.gates import call_gates
-from ..common.launch import autograd_records
+from ..common.autograd import autograd_records
 from ..common.varlen import varlen_call
 from .state import AHLAState
 

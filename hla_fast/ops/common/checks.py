@@ -27,14 +27,21 @@ def check_flag(x, name: str) -> bool:
     return x
 
 
+def check_finite_float(x, name: str, above=None, at_least=None) -> float:
+    """``x`` as a float: a real number (not a bool, a string or a complex number), finite, and
+    > ``above`` / >= ``at_least`` when given. The errors name ``name`` and what it must be."""
+    want = "a finite float" + ("" if above is None else f" > {above}") + ("" if at_least is None else f" >= {at_least}")
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be {want}, got {type(x).__name__} {x!r}")
+    x = float(x)
+    if not math.isfinite(x) or (above is not None and not x > above) or (at_least is not None and not x >= at_least):
+        raise ValueError(f"{name} must be {want}, got {x!r}")
+    return x
+
+
 def check_eps(eps) -> float:
-    """A finite real number >= 0."""
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-        raise TypeError(f"eps must be a finite float >= 0, got {type(eps).__name__}")
-    eps = float(eps)
-    if not (math.isfinite(eps) and eps >= 0.0):
-        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
-    return eps
+    """A normalizer's eps: a finite real number >= 0."""
+    return check_finite_float(eps, "eps", at_least=0)
 
 
 def check_gamma(gamma):

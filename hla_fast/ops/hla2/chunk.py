@@ -48,13 +48,13 @@ import torch
 
 from ..common.compile import compile_ahead, launch_kernel
 from ..ahla.chunk import ahla_config, layer_bwd, layer_fwd, normalized_layer_bwd, normalized_layer_fwd
+from ..common.autograd import autograd_records, kernel_backward
 from ..common.config import DEFAULT_CHUNK, ChunkConfig, chunk_or_default, refuse_ahla_fields, refuse_shared_walk
 from ..common.cumsum import GateSums
 from ..common.gates import log_gamma, log_gate_grad
 from ..common.launch import (
-    autograd_records, bf16_dots, cdiv, dot_precision, even_blocks, kernel_backward, min_key_block, min_value_block,
-    one_wave_segments, plan_pieces, pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk,
-    value_block,
+    bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments, plan_pieces,
+    pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
 )
 from ..common.normalize import normalized_output_grad, quotient, with_column, with_ones
 from .chunk_kernels import (

@@ -68,7 +68,8 @@ from ..ahla.chunk import ahla_config, layer_bwd, layer_fwd, layer_pair_fwd
 from ..common.compile import compile_ahead, launch_kernel
 from ..common.config import ChunkConfig, chunk_or_default, refuse_ahla_fields, refuse_split_forward
 from ..common.cumsum import GateSums
-from ..common.launch import autograd_records, kernel_backward, pow2_block, snapshot_dtype
+from ..common.autograd import autograd_records, kernel_backward
+from ..common.launch import pow2_block, snapshot_dtype
 from ..common.normalize import quotient, with_column, with_ones
 from ..common.gates import log_gate_grad
 from ..hla2 import chunk as hla2_chunk
