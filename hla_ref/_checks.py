@@ -33,6 +33,11 @@ def to_array(x, name: str) -> np.ndarray:
             f"hla_ref is NumPy-only: pass a NumPy float32/float64 array, e.g. "
             f"{name}.detach().cpu().double().numpy()"
         )
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(
+            f"{name} is a NumPy masked array, whose mask these functions would ignore (they read every "
+            f"value): pass a plain array, e.g. {name}.filled(0.0) to zero the masked entries"
+        )
     try:
         return np.asarray(x)
     except (ValueError, TypeError) as exc:
@@ -118,12 +123,46 @@ def check_dims(d, dv):
     return int(d), int(dv)
 
 
+def check_dtype(dtype) -> np.dtype:
+    """An empty segment's ``dtype``: float32 or float64 (anything NumPy reads as one of them)."""
+    if _is_torch(dtype):
+        raise TypeError(f"dtype is a torch object ({dtype}); pass numpy.float32 or numpy.float64")
+    try:
+        dt = np.dtype(dtype) if dtype is not None else None
+    except TypeError:
+        dt = None
+    if dt is None or dt.type not in _FLOATS:
+        raise TypeError(f"dtype must be numpy.float32 or numpy.float64, got {dtype!r}")
+    return dt
+
+
+def check_segment(x, name: str, cls):
+    """One segment of a combine: a ``cls`` (a segment NamedTuple) whose arrays are finite NumPy
+    float32/float64 arrays and whose ``rho`` (the product of its tokens' factors, each in
+    (0, 1], so 0 only where the product underflowed) is a real number in [0, 1]."""
+    if not isinstance(x, cls):
+        raise TypeError(f"{name} must be a {cls.__name__}, got {type(x).__name__}")
+    for field, value in zip(cls._fields, x):
+        where = f"{name}.{field}"
+        if field == "rho":
+            rho = _real(value, where)
+            if not 0.0 <= rho <= 1.0:
+                raise ValueError(f"{where} must lie in [0, 1] (a product of factors in (0, 1]), got {rho}")
+            continue
+        if _is_torch(value) or not isinstance(value, np.ndarray) or isinstance(value, np.ma.MaskedArray):
+            raise TypeError(f"{where} must be a NumPy float32/float64 array (as the segment builders make), "
+                            f"got {type(value).__name__}")
+        if value.dtype.type not in _FLOATS:
+            raise TypeError(f"{where} must be a float32 or float64 array, got dtype {value.dtype}")
+        if not np.all(np.isfinite(value)):
+            raise ValueError(f"{where} contains NaN or infinite values")
+
+
 def check_segments(A, B, cls):
-    """The two segments of a combine: both ``cls`` (a segment NamedTuple), of one size (every
+    """The two segments of a combine: each as :func:`check_segment` says, both of one size (every
     field of B shaped as A's)."""
-    for name, x in (("A", A), ("B", B)):
-        if not isinstance(x, cls):
-            raise TypeError(f"{name} must be a {cls.__name__}, got {type(x).__name__}")
+    check_segment(A, "A", cls)
+    check_segment(B, "B", cls)
     for field, a, b in zip(cls._fields, A, B):
         if np.shape(a) != np.shape(b):
             raise ValueError(f"B.{field} has shape {np.shape(b)} where A.{field} has {np.shape(a)}: segments of "
@@ -135,7 +174,10 @@ def _real(x, name: str) -> float:
         raise TypeError(f"{name} is a torch object ({type(x).__name__}); pass a Python float")
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(x).__name__}")
-    x = float(x)
+    try:
+        x = float(x)
+    except OverflowError:   # an int beyond float's range
+        raise ValueError(f"{name} must be finite, got an int of {x.bit_length()} bits") from None
     if not np.isfinite(x):
         raise ValueError(f"{name} must be finite, got {x}")
     return x

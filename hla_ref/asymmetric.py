@@ -17,8 +17,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ._checks import (
-    check_chunk_size, check_common, check_dims, check_flag, check_gamma, check_gates, check_qk, check_segments,
-    check_token, decay_matrix, with_ones,
+    check_chunk_size, check_common, check_dims, check_dtype, check_flag, check_gamma, check_gates, check_qk,
+    check_segments, check_token, decay_matrix, with_ones,
 )
 from ._readout import chunk_decays, read_out
 from .scan import token_scan
@@ -121,6 +121,7 @@ def ahla_segment(q, k, v, gamma: float = 1.0) -> AHLASegment:
 def ahla_identity(d: int, dv: int, dtype=np.float64) -> AHLASegment:
     """The empty segment: zeros and rho = 1."""
     d, dv = check_dims(d, dv)
+    dtype = check_dtype(dtype)
     return AHLASegment(np.zeros((d, dv), dtype), np.zeros((d, dv), dtype), np.zeros((d, d), dtype),
                        np.zeros(d, dtype), np.zeros(d, dtype), 1.0)
 

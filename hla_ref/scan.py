@@ -15,6 +15,18 @@ import numpy as np
 T = TypeVar("T")
 
 
+def _check_scan(items, combine, record=None) -> list:
+    """``items`` as a list (a sequence: a list, tuple or array, not a one-pass iterator),
+    ``combine`` callable, ``record`` None or a list; errors name the argument."""
+    if not isinstance(items, Sequence) and not isinstance(items, np.ndarray):
+        raise TypeError(f"items must be a sequence (list, tuple or array) of summaries, got {type(items).__name__}")
+    if not callable(combine):
+        raise TypeError(f"combine must be a callable combine(earlier, later), got {type(combine).__name__}")
+    if record is not None and not isinstance(record, list):
+        raise TypeError(f"record must be None or a list to append the combines to, got {type(record).__name__}")
+    return list(items)
+
+
 def blelloch_scan(
     items: Sequence[T],
     combine: Callable[[T, T], T],
@@ -37,6 +49,7 @@ def blelloch_scan(
 
     Returns a list of ``len(items)`` exclusive prefixes, in order.
     """
+    items = _check_scan(items, combine, record)
     n = len(items)
     if n == 0:
         return []
@@ -75,6 +88,7 @@ def blelloch_scan(
 
 def serial_exclusive_scan(items: Sequence[T], combine: Callable[[T, T], T], identity: T) -> List[T]:
     """The same prefixes by a left-to-right fold: the definition the tree scan must match."""
+    items = _check_scan(items, combine)
     out, acc = [], identity
     for x in items:
         out.append(acc)
@@ -85,6 +99,7 @@ def serial_exclusive_scan(items: Sequence[T], combine: Callable[[T, T], T], iden
 def inclusive_scan(items: Sequence[T], combine: Callable[[T, T], T], identity: T) -> List[T]:
     """Inclusive prefixes ``items[0] * ... * items[t]``: the exclusive tree scan, then one local
     combine per position ("local inclusion") to add the item itself."""
+    items = _check_scan(items, combine)
     return [combine(p, x) for p, x in zip(blelloch_scan(items, combine, identity), items)]
 
 

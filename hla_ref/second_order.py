@@ -22,8 +22,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ._checks import (
-    check_chunk_size, check_common, check_dims, check_flag, check_gamma, check_gates, check_qk, check_ridge,
-    check_segments, check_token, decay_matrix, with_ones,
+    check_chunk_size, check_common, check_dims, check_dtype, check_flag, check_gamma, check_gates, check_qk,
+    check_ridge, check_segments, check_token, decay_matrix, with_ones,
 )
 from ._readout import chunk_decays, read_out
 from .baselines import causal_mask
@@ -199,6 +199,7 @@ def hla2_segment(q, k, v, gamma: float = 1.0) -> HLA2Segment:
 def hla2_identity(d: int, dv: int, dtype=np.float64) -> HLA2Segment:
     """The empty segment (all zeros, rho = 1): a two-sided identity of :func:`hla2_combine`."""
     d, dv = check_dims(d, dv)
+    dtype = check_dtype(dtype)
     return HLA2Segment(np.zeros((d, d), dtype), np.zeros((d, dv), dtype), np.zeros(d, dtype),
                        np.zeros((d, dv), dtype), np.zeros(d, dtype), 1.0)
 

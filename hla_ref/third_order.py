@@ -24,8 +24,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ._checks import (
-    check_chunk_size, check_common, check_dims, check_flag, check_gamma, check_gates, check_qk, check_segments,
-    check_token, check_variant, decay_matrix, with_ones,
+    check_chunk_size, check_common, check_dims, check_dtype, check_flag, check_gamma, check_gates, check_qk,
+    check_segments, check_token, check_variant, decay_matrix, to_array, with_ones,
 )
 from ._readout import chunk_decays, read_out
 from .scan import token_scan
@@ -42,8 +42,18 @@ __all__ = [
 # 1. Naive
 # --------------------------------------------------------------------------------------------
 
+def _index_array(x, name: str) -> np.ndarray:
+    """x as an integer array (a token index or an array of them), refusing anything else by name."""
+    arr = to_array(x, name)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an integer or an integer array (token indices), got dtype {arr.dtype}")
+    return arr
+
+
 def largest_index_twice(i, u, j):
-    """Boolean (broadcasting): does max(i, u, j) occur at least twice among i, u, j?"""
+    """Boolean (broadcasting): does max(i, u, j) occur at least twice among i, u, j? Each an integer
+    or an integer array (token indices)."""
+    i, u, j = (_index_array(x, name) for x, name in ((i, "i"), (u, "u"), (j, "j")))
     top = np.maximum(np.maximum(i, u), j)
     return ((i == top).astype(int) + (u == top) + (j == top)) >= 2
 
@@ -237,6 +247,7 @@ def hla3_segment(q, k, v, gamma: float = 1.0) -> HLA3Segment:
 def hla3_identity(d: int, dv: int, dtype=np.float64) -> HLA3Segment:
     """The empty masked segment: zeros, rho = 1."""
     d, dv = check_dims(d, dv)
+    dtype = check_dtype(dtype)
     z = lambda *shape: np.zeros(shape, dtype)  # noqa: E731
     return HLA3Segment(z(d, d), z(d, d), z(d, dv), z(d, dv), z(d, dv), z(d, d), z(d), z(d), z(d), 1.0)
 
@@ -305,6 +316,7 @@ def hla3_paper_segment(q, k, v, gamma: float = 1.0) -> HLA3PaperSegment:
 def hla3_paper_identity(d: int, dv: int, dtype=np.float64) -> HLA3PaperSegment:
     """The empty segment for :func:`hla3_paper_combine`: zeros, rho = 1."""
     d, dv = check_dims(d, dv)
+    dtype = check_dtype(dtype)
     z = lambda *shape: np.zeros(shape, dtype)  # noqa: E731
     return HLA3PaperSegment(z(d, d), z(d, d), z(d, dv), z(d, dv), z(d, d), z(d, dv), z(d, d, d, dv),
                             z(d), z(d), z(d), z(d, d, d), 1.0)

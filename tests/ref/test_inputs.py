@@ -500,3 +500,88 @@ def test_identities_and_combines_refuse_bad_input(module, identity, combine, seg
     with pytest.raises(TypeError, match=f"B must be a {type(a).__name__}, got tuple"):
         comb(a, tuple(a))
     assert all(np.array_equal(x, y) for x, y in zip(comb(ident(3, 2), a), a))
+
+
+@pytest.mark.parametrize("module,identity,combine,segment", IDENTITIES, ids=lambda x: str(x))
+def test_combines_check_each_segment(module, identity, combine, segment):
+    """A combine refuses a segment whose rho is not a real number in [0, 1] or whose arrays are not
+    finite NumPy float arrays, naming the segment and the field; the identity's dtype is float32
+    or float64."""
+    torch = _torch()
+    ident, comb, seg = func(module, identity), func(module, combine), func(module, segment)
+    a = seg(np.ones(3), np.ones(3), np.ones(2), 0.5)
+    first = type(a)._fields[0]
+    for rho, err, msg in ((np.nan, ValueError, "B.rho must be finite"), (2.0, ValueError, r"B.rho must lie in \[0, 1\]"),
+                          (-1.0, ValueError, r"B.rho must lie in \[0, 1\]"), (True, TypeError, "B.rho must be a real"),
+                          ("x", TypeError, "B.rho must be a real"), (np.ones(3), TypeError, "B.rho must be a real"),
+                          (10 ** 400, ValueError, "B.rho must be finite")):
+        with pytest.raises(err, match=msg):
+            comb(a, a._replace(rho=rho))
+    assert comb(a, a._replace(rho=0.0)).rho == 0.0        # a product of gates that underflowed
+    bad = getattr(a, first)
+    for value, err, msg in ((torch.tensor(bad), TypeError, r"NumPy float32/float64 array .*, got Tensor"),
+                            (bad.tolist(), TypeError, r"NumPy float32/float64 array .*, got list"),
+                            (np.ma.masked_array(bad), TypeError, "got MaskedArray"),
+                            (bad.astype(int), TypeError, "float32 or float64 array, got dtype int"),
+                            (np.full_like(bad, np.nan), ValueError, "NaN or infinite")):
+        with pytest.raises(err, match=rf"A\.{first} .*{msg}"):
+            comb(a._replace(**{first: value}), a)
+    for dtype in (int, bool, complex, np.float16, object, None, "foo"):
+        with pytest.raises(TypeError, match="dtype must be numpy.float32 or numpy.float64"):
+            ident(3, 2, dtype=dtype)
+    with pytest.raises(TypeError, match="dtype is a torch object"):
+        ident(3, 2, dtype=torch.float64)
+    assert all(x.dtype == np.float32 for x in ident(3, 2, dtype="float32")[:-1])
+
+
+@pytest.mark.parametrize("name", ["hla2_combine_published", "ahla_combine_published"])
+def test_published_combines_check_their_segments(name):
+    from hla_ref import published
+    comb = getattr(published, name)
+    seg, ident = ((hla_ref.hla2_segment, hla_ref.hla2_identity) if name.startswith("hla2")
+                  else (hla_ref.ahla_segment, hla_ref.ahla_identity))
+    a = seg(np.ones(2), np.ones(2), np.ones(2), 0.5)
+    with pytest.raises(ValueError, match="segments of different sizes"):
+        comb(a, ident(2, 3))
+    with pytest.raises(TypeError, match="B must be a"):
+        comb(a, tuple(a))
+    with pytest.raises(TypeError, match="A must be a"):
+        comb(None, a)
+
+
+@pytest.mark.parametrize("name", ["gamma", "eps", "ridge", "scale"])
+def test_an_int_beyond_float_range_is_refused_by_name(name):
+    Q, K, V = good()
+    fn = {"gamma": hla_ref.hla2_chunked, "eps": hla_ref.hla2_chunked, "ridge": hla_ref.hla2_stream,
+          "scale": hla_ref.softmax_attention}[name]
+    kw = {name: 10 ** 400, **({"normalize": True} if name == "eps" else {})}
+    with pytest.raises(ValueError, match=rf"^{name} must"):
+        fn(Q, K, V, **kw)
+
+
+def test_masked_arrays_are_refused_by_name():
+    Q, K, V = good()
+    with pytest.raises(TypeError, match=r"^K is a NumPy masked array"):
+        hla_ref.hla2_naive(Q, np.ma.masked_array(K, K > 0), V)
+    with pytest.raises(TypeError, match=r"^v is a NumPy masked array"):
+        hla_ref.hla2_segment(Q[0], K[0], np.ma.masked_array(V[0]), 0.5)
+
+
+def test_scan_helpers_name_their_arguments():
+    add = lambda a, b: a + b   # noqa: E731
+    for fn in (hla_ref.blelloch_scan, hla_ref.serial_exclusive_scan, hla_ref.inclusive_scan):
+        with pytest.raises(TypeError, match="^items must be a sequence"):
+            fn((x for x in [1, 2]), add, 0)
+        with pytest.raises(TypeError, match="^combine must be a callable"):
+            fn([1, 2], None, 0)
+        assert fn(np.arange(3), add, 0) == fn([0, 1, 2], add, 0)
+    with pytest.raises(TypeError, match="^record must be None or a list"):
+        hla_ref.blelloch_scan([1, 2], add, 0, record=())
+    assert hla_ref.blelloch_scan((1, 2, 3), add, 0) == [0, 1, 3]
+
+
+def test_largest_index_twice_takes_integer_indices():
+    assert hla_ref.largest_index_twice(2, 2, 1) and not hla_ref.largest_index_twice(1, 2, 0)
+    for bad, name in ((("a", 1, 2), "i"), ((1, 1.5, 2), "u"), ((1, 2, [True]), "j")):
+        with pytest.raises(TypeError, match=rf"^{name} must be an integer"):
+            hla_ref.largest_index_twice(*bad)
