@@ -351,3 +351,40 @@ def test_torch_backend_caps_the_chunk_at_T(op):
     q, k, v = rand_qkv(1, 5, 1, 8, 8, seed=29)
     o, _ = op.op(q, k, v, gamma=0.9, chunk_size=2 ** 20, backend="torch")  # would be a 4 TB tile uncapped
     assert rel(o, op.ref(q, k, v, gamma=0.9)) < TOL
+
+
+@OPS
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_torch_paths_ignore_autocast(op, dtype):
+    """Under torch.autocast the torch backend and the torch step give what they give outside it
+    (fp32 products and states, as the kernels keep): an fp16 region overflowed a normalized third
+    order call, and a bf16 one left the fp32 states 2e-3 off."""
+    q, k, v = rand_qkv(1, 64, 2, 16, 16, seed=31)
+    q, k = q.abs(), k.abs()
+    g = -torch.rand(1, 64, 2, generator=torch.Generator().manual_seed(3))
+    st = rand_state(op, 1, 2, 16, 16, True, seed=32)
+    kw = dict(g=g, normalize=True, initial_state=st, output_final_state=True, backend="torch")
+    want = op.op(q, k, v, **kw)
+    step_want = op.step(q[:, 0], k[:, 0], v[:, 0], st, g=g[:, 0], normalize=True, backend="torch")
+    with torch.autocast("cpu", dtype=dtype):
+        got = op.op(q, k, v, **kw)
+        step_got = op.step(q[:, 0], k[:, 0], v[:, 0], st, g=g[:, 0], normalize=True, backend="torch")
+    for a, b in ((got[0], want[0]), (step_got[0], step_want[0])):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    for a, b in zip((*got[1], *step_got[1]), (*want[1], *step_want[1])):
+        assert (a is None and b is None) or (a.dtype == b.dtype == torch.float32 and torch.equal(a, b))
+
+
+@OPS
+@pytest.mark.parametrize("gated", [False, True])
+def test_meta_tensors_infer_shapes(op, gated):
+    """On the meta device a call infers its outputs' shapes, gated or not (the gates' values,
+    checked off CUDA, do not exist there)."""
+    meta = torch.device("meta")
+    q, k, v = (torch.empty(2, 5, 3, n, device=meta) for n in (8, 8, 6))
+    kw = dict(g=torch.empty(2, 5, 3, device=meta)) if gated else dict(gamma=0.9)
+    o, st = op.op(q, k, v, output_final_state=True, backend="torch", **kw)
+    assert o.device == meta and o.shape == (2, 5, 3, 6)
+    shapes = op.state_shapes(2, 3, 8, 6, False)
+    assert {f: tuple(x.shape) for f, x in zip(st._fields, st) if x is not None} == {
+        f: s for f, s in shapes.items() if s is not None}

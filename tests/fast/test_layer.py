@@ -230,6 +230,16 @@ def test_layer_built_on_the_meta_device():
     assert torch.equal(layer(x)[0], ref(x)[0])
 
 
+@pytest.mark.parametrize("gate", ["none", "fixed", "data"])
+@pytest.mark.parametrize("order", ["hla2", "ahla", "hla3"])
+def test_layer_forward_on_the_meta_device(order, gate):
+    """A layer on the meta device infers its output's shape, gated or not."""
+    with torch.device("meta"):
+        layer = HigherOrderLinearAttention(32, 4, head_dim=8, order=order, gate=gate, backend="torch")
+        o = layer(torch.empty(2, 5, 32))[0]
+    assert o.device.type == "meta" and o.shape == (2, 5, 32)
+
+
 def test_data_gates_are_log_gates():
     layer = make_layer("hla2", "data", dtype=torch.float32)
     _, _, _, g = layer._heads(hidden_states(2, 7, 32, dtype=torch.float32))

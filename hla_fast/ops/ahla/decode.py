@@ -26,6 +26,7 @@ import triton.language as tl
 from ..common.launch import cdiv, next_pow2
 from ..common.step import step_factors, step_gamma, step_inputs, step_out, step_state_buffers
 from ..common.tiles import step_rank1, step_token, store_step_output
+from ..common.torch_chunks import full_precision
 from .state import AHLAState
 
 
@@ -94,6 +95,7 @@ def ahla_step_triton(q, k, v, state, g, gamma, normalize, eps):
     return o.view(B, H, V), AHLAState(p_out, e_out, pn_out, en_out)
 
 
+@full_precision
 def ahla_step_torch(q, k, v, state, g, gamma, normalize, eps):
     """Torch decode step (same contract as :func:`ahla_step_triton`; differentiable)."""
     cd = state.P.dtype

@@ -158,7 +158,8 @@ def check_gates(g, gamma, q, seq: bool):
 
     The values are checked for tensors off CUDA only: on a GPU the check would read a result back
     to the host, synchronizing the device on every call (and breaking CUDA-graph capture). On
-    CUDA a positive g is the caller's to avoid (a factor above 1 lets the states grow)."""
+    CUDA a positive g is the caller's to avoid (a factor above 1 lets the states grow). A tensor
+    on the meta device has no values (a call there infers shapes only)."""
     if g is None:
         return None
     if gamma is not None:
@@ -173,7 +174,7 @@ def check_gates(g, gamma, q, seq: bool):
         raise TypeError(f"g must be a float tensor (log-gates), got {g.dtype}")
     if g.device != q.device:
         raise ValueError(f"g is on {g.device} but q is on {q.device}")
-    if g.device.type != "cuda" and not bool(((g <= 0) & torch.isfinite(g)).all()):
+    if g.device.type not in ("cuda", "meta") and not bool(((g <= 0) & torch.isfinite(g)).all()):
         raise ValueError("g must hold finite log-gates <= 0 (a factor exp(g) in (0, 1] per token and head)")
     return g
 

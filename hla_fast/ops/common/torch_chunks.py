@@ -4,14 +4,34 @@ Each backend cuts the sequence into NT chunks of C rows (C = min(chunk_size, T),
 zero-padded past T), batches everything inside a chunk over all chunks at once and runs only the
 small state recurrence between chunks as a Python loop. This module does the cutting, the
 chunk-local cumulative log-gates beta (``gates.chunk_local_cumsum``) and the way back; the decay
-tiles of beta are ``gates.chunk_decay_tiles``.
+tiles of beta are ``gates.chunk_decay_tiles``. :func:`full_precision` keeps autocast out of every
+torch path (the backends and the decode steps).
 """
 from __future__ import annotations
+
+import contextlib
+import functools
 
 import torch
 
 from .gates import chunk_local_cumsum
 from .normalize import with_column, with_ones
+
+
+def full_precision(fn):
+    """Run ``fn`` with autocast off, where it is on, for the device type of its first tensor
+    argument. The torch paths promise fp32 products and states (float64 for float64 inputs), as
+    the Triton kernels keep whatever the region: under ``torch.autocast`` their ``@`` products
+    would otherwise run in fp16 / bf16 (an fp16 region overflowed third order's normalized
+    outputs to inf, and a bf16 one left fp32 states 2e-3 off)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        kind = next(a for a in args if isinstance(a, torch.Tensor)).device.type
+        on = torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+        with torch.autocast(kind, enabled=False) if on else contextlib.nullcontext():
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def to_chunks(x: torch.Tensor, C: int) -> torch.Tensor:
@@ -47,9 +67,10 @@ def chunk_inputs(q, k, v, g, chunk_size: int):
     return C, NT, to_chunks(q, C), to_chunks(k, C), to_chunks(v, C), beta, valid
 
 
+@full_precision
 def run_with_normalizer(chunk_fn, cls, norm_of: dict, q, k, v, g, normalize, eps, initial_state, chunk_size):
     """A torch backend's entry, the same for every operator: compute in fp32 (float64 for float64
-    inputs) and, when ``normalize``, carry the denominator (the numerator with v -> 1) as one more
+    inputs), autocast or not (:func:`full_precision`), and, when ``normalize``, carry the denominator (the numerator with v -> 1) as one more
     value column, then divide (den + eps).
 
     chunk_fn(q, k, v, g, state, chunk_size) -> (o [B, T, H, V'], *carried): the operator's chunked

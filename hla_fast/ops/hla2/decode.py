@@ -25,6 +25,7 @@ import triton.language as tl
 from ..common.launch import cdiv, next_pow2
 from ..common.step import step_factors, step_gamma, step_inputs, step_out, step_state_buffers
 from ..common.tiles import step_rank1, step_rows, step_token, store_step_output
+from ..common.torch_chunks import full_precision
 from .state import HLA2State
 
 
@@ -91,6 +92,7 @@ def hla2_step_triton(q, k, v, state, g, gamma, normalize, eps):
     return o.view(B, H, V), HLA2State(s_out, w_out, z_out)
 
 
+@full_precision
 def hla2_step_torch(q, k, v, state, g, gamma, normalize, eps):
     """Torch decode step (same contract as :func:`hla2_step_triton`; differentiable)."""
     cd = state.S.dtype

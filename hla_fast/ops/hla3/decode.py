@@ -28,6 +28,7 @@ import triton.language as tl
 from ..common.launch import cdiv, next_pow2
 from ..common.step import step_factors, step_gamma, step_inputs, step_out, step_state_buffers
 from ..common.tiles import step_rank1, step_rows, step_token, store_step_output
+from ..common.torch_chunks import full_precision
 from .state import HLA3State
 
 
@@ -108,6 +109,7 @@ def hla3_step_triton(q, k, v, state, g, gamma, normalize, eps):
     return o.view(B, H, V), HLA3State(s_out, pm_out, f_out, p_out, fz_out)
 
 
+@full_precision
 def hla3_step_torch(q, k, v, state, g, gamma, normalize, eps):
     """Torch decode step (same contract as :func:`hla3_step_triton`; differentiable)."""
     cd = state.S.dtype
