@@ -152,10 +152,7 @@ def check_segment(x, name: str, cls):
         if _is_torch(value) or not isinstance(value, np.ndarray) or isinstance(value, np.ma.MaskedArray):
             raise TypeError(f"{where} must be a NumPy float32/float64 array (as the segment builders make), "
                             f"got {type(value).__name__}")
-        if value.dtype.type not in _FLOATS:
-            raise TypeError(f"{where} must be a float32 or float64 array, got dtype {value.dtype}")
-        if not np.all(np.isfinite(value)):
-            raise ValueError(f"{where} contains NaN or infinite values")
+        _float_array(value, where, value.ndim, str(value.shape))   # its dtype, and every value finite
 
 
 def check_segments(A, B, cls):

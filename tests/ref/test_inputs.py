@@ -511,7 +511,8 @@ def test_combines_check_each_segment(module, identity, combine, segment):
     ident, comb, seg = func(module, identity), func(module, combine), func(module, segment)
     a = seg(np.ones(3), np.ones(3), np.ones(2), 0.5)
     first = type(a)._fields[0]
-    for rho, err, msg in ((np.nan, ValueError, "B.rho must be finite"), (2.0, ValueError, r"B.rho must lie in \[0, 1\]"),
+    for rho, err, msg in ((np.nan, ValueError, "B.rho must be finite"),
+                          (2.0, ValueError, r"B.rho must lie in \[0, 1\]"),
                           (-1.0, ValueError, r"B.rho must lie in \[0, 1\]"), (True, TypeError, "B.rho must be a real"),
                           ("x", TypeError, "B.rho must be a real"), (np.ones(3), TypeError, "B.rho must be a real"),
                           (10 ** 400, ValueError, "B.rho must be finite")):

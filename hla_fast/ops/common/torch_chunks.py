@@ -70,8 +70,8 @@ def chunk_inputs(q, k, v, g, chunk_size: int):
 @full_precision
 def run_with_normalizer(chunk_fn, cls, norm_of: dict, q, k, v, g, normalize, eps, initial_state, chunk_size):
     """A torch backend's entry, the same for every operator: compute in fp32 (float64 for float64
-    inputs), autocast or not (:func:`full_precision`), and, when ``normalize``, carry the denominator (the numerator with v -> 1) as one more
-    value column, then divide (den + eps).
+    inputs), autocast or not (:func:`full_precision`), and, when ``normalize``, carry the
+    denominator (the numerator with v -> 1) as one more value column, then divide (den + eps).
 
     chunk_fn(q, k, v, g, state, chunk_size) -> (o [B, T, H, V'], *carried): the operator's chunked
     torch form on V' value columns, ``state`` None or the carried fields in ``cls`` order.
