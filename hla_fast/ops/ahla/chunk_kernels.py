@@ -893,6 +893,16 @@ def ahla_bwd_grad_kernel(
 # coupled walk at K = V = 128), and each per-chunk kernel holds one layer's tiles.
 
 
+@triton.jit
+def _chunk_dd(dd, off_g, t, T, H: tl.constexpr):
+    """dd [BT] (fp32, 0 outside 0 <= t < T) at tokens t: the denominator's gradient, which the
+    state-gradient walk reads a step ahead. As a vector load it is not one of the loads the
+    compiler pipelines (those feed dots): read when its turn came, its latency was the walk's
+    (hla_fast/README.md, "The configuration rule", the normalized layers;
+    ``benchmarks/results/hla2_h100_ab_dd_ahead.json``)."""
+    return tl.load(dd + off_g + t * H, mask=(t >= 0) & (t < T), other=0.0)
+
+
 @triton.heuristics({
     "HAS_G": lambda a: a["gc"] is not None,
     "HAS_DHT": lambda a: a["dht"] is not None,
@@ -936,13 +946,17 @@ def ahla_bwd_dh_kernel(
     d_h = mat_or_zeros(dht, base, rk, mk, rv, mv, V, BK, BV, HAS_DHT)              # dH [BK, BV]
     if NORM:
         d_z = vec_or_zeros(dzt, i_bh.to(tl.int64) * K, rk, mk, BK, HAS_DZT)       # dp [BK]
+        n_dd = _chunk_dd(dd, off_g, (NT - 1) * BT + rt, T, H)                      # the last chunk's dd
     off_gc = sums_offset(i_bh, NT, BT)                 # the head's chunk-local sums (HAS_G)
     n_beta, n_bL = first_walk_sums(gc, off_gc, (NT - 1) * BT, BT, HAS_G, False)
     for i_r in range(0, NT):
         i_c = NT - 1 - i_r
-        store_mat(dh_end + (i_bh.to(tl.int64) * NT + i_c) * K * V, d_h, rk, mk, rv, mv, V)
         t = i_c * BT + rt
         mt = t < T
+        if NORM:   # dd of this chunk (read a step ago) and of the next one the walk visits, issued now
+            b_dd = n_dd
+            n_dd = _chunk_dd(dd, off_g, t - BT, T, H)
+        store_mat(dh_end + (i_bh.to(tl.int64) * NT + i_c) * K * V, d_h, rk, mk, rv, mv, V)
         b_qt = load_cols(q + off_k, t, mt, rk, mk, H * K, IS_BF16)                # Q^T [BK, BT]
         b_dy = load_rows(dy + off_v, t, mt, rv, mv, H * V, IS_BF16)               # dY  [BT, BV]
         G, g1, g2, gl, gC, bL, n_beta, n_bL = walk_factors(
@@ -952,7 +966,6 @@ def ahla_bwd_dh_kernel(
         if NORM:
             if i_v == 0:
                 tl.store(dz_end + (i_bh.to(tl.int64) * NT + i_c) * K + rk, d_z, mask=mk)
-            b_dd = tl.load(dd + off_g + t * H, mask=mt, other=0.0)                  # dd  [BT]
             d_z = d_z * gC + tl.sum(b_qt.to(tl.float32) * (g1 * b_dd)[None, :], axis=1)
     if STORE_DH0:
         store_mat(dh0 + base, d_h, rk, mk, rv, mv, V)
