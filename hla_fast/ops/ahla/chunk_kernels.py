@@ -199,15 +199,36 @@ def _step_values2(v2, n_v2, off_v2, t, mt, tn, mn, rv2, mv2, H: tl.constexpr, V2
 
 
 @triton.jit
-def _chunk_first_order(b_q, b_kt, b_v, P, pn, G, g1, NORM: tl.constexpr, IS_BF16: tl.constexpr,
+def _normalizer_rows(q, b_q, off_k, t, mt, rk, mk, H: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr,
+                     PREFETCH: tl.constexpr):
+    """Q [BT, BK] in fp32 for the normalizer's row sums (Q p, Q e) when NORM, else a dummy 0. A walk
+    whose loads the compiler pipelines (not PREFETCH) reads the tile a second time, bypassing L1
+    (``.cg``) so that it stays a load of its own: taken from the dots' tile b_q, the sums held that
+    tile in registers and the walk kept it in one shared-memory buffer instead of the two it has
+    without NORM. A PREFETCH walk holds b_q in registers anyway and takes it (hla_fast/README.md,
+    "The configuration rule", the normalized layers)."""
+    if NORM:
+        if PREFETCH:
+            b_qn = b_q.to(tl.float32)
+        else:
+            b_qn = tl.load(q + off_k + t[:, None] * (H * K) + rk[None, :], mask=mt[:, None] & mk[None, :],
+                           other=0.0, cache_modifier=".cg").to(tl.float32)
+    else:
+        b_qn = 0.0
+    return b_qn
+
+
+@triton.jit
+def _chunk_first_order(b_q, b_kt, b_v, P, b_qn, pn, G, g1, NORM: tl.constexpr, IS_BF16: tl.constexpr,
                        PREC: tl.constexpr):
     """A = (Q K^T) o G [BT, BT], R = diag(g1) Q P0 + A V [BT, BV] of one chunk, and R's
-    normalizer column r_n = diag(g1) Q p0 + A 1 [BT] when NORM (else a dummy 0)."""
+    normalizer column r_n = diag(g1) Q p0 + A 1 [BT] when NORM (else a dummy 0), its Q p0 from
+    b_qn (``_normalizer_rows``)."""
     b_x = tl.dot(b_q, b_kt, input_precision=PREC)                  # X = Q K^T       [BT, BT]
     b_a = tl.where(G > 0, b_x * G, 0.0)                             # A = X o G
     b_r = dot(b_q, P, IS_BF16, PREC) * g1[:, None] + dot(b_a, b_v, IS_BF16, PREC)
     if NORM:
-        r_n = tl.sum(b_q.to(tl.float32) * pn[None, :], axis=1) * g1 + tl.sum(b_a, axis=1)
+        r_n = tl.sum(b_qn * pn[None, :], axis=1) * g1 + tl.sum(b_a, axis=1)
     else:
         r_n = 0.0
     return b_a, b_r, r_n
@@ -340,7 +361,8 @@ def ahla_fwd_kernel(
             if HAS_V2:
                 store_mat(cs_p2 + i_cs * K * V2, P2, rk, mk, rv2, mv2, V2)
         # -- first order: R = diag(g1) Q P0 + A V ------------------------------------------
-        b_a, b_r, r_n = _chunk_first_order(b_q, b_kt, b_v, P, pn, G, g1, NORM, IS_BF16, PREC)
+        b_qn = _normalizer_rows(q, b_q, off_k, t, mt, rk, mk, H, K, NORM, PREFETCH)      # Q [BT, BK] fp32
+        b_a, b_r, r_n = _chunk_first_order(b_q, b_kt, b_v, P, b_qn, pn, G, g1, NORM, IS_BF16, PREC)
         if STORE_R:
             if NORM and not HAS_E:   # a normalized first-order layer: R / (r_n + eps), r_n its denominator
                 if i_v == 0:
@@ -359,7 +381,7 @@ def ahla_fwd_kernel(
         if HAS_O:
             b_o = dot(b_q, E, IS_BF16, PREC) * g1[:, None] + dot(b_a, b_r, IS_BF16, PREC)      # [BT, BV]
             if NORM:
-                b_den = tl.sum(b_q.to(tl.float32) * en[None, :], axis=1) * g1 + tl.sum(b_a * r_n[None, :], axis=1)
+                b_den = tl.sum(b_qn * en[None, :], axis=1) * g1 + tl.sum(b_a * r_n[None, :], axis=1)
                 b_o = b_o / (b_den + eps)[:, None]
                 if i_v == 0:
                     tl.store(den + off_g + t * H, b_den, mask=mt)
@@ -455,7 +477,8 @@ def ahla_fwd_summary_kernel(
             gc, off_gc, n_beta, n_bL, i_c * BT, i_c * BT + BT, lo * BT, hi * BT, log_gamma, mt, BT, HAS_G, HAS_DECAY,
             SUMS_AHEAD)
         if HAS_E:
-            b_a, b_r, r_n = _chunk_first_order(b_q, b_kt, b_v, P, pn, G, g1, NORM, IS_BF16, PREC)
+            b_qn = _normalizer_rows(q, b_q, off_k, t, mt, rk, mk, H, K, NORM, PREFETCH)
+            b_a, b_r, r_n = _chunk_first_order(b_q, b_kt, b_v, P, b_qn, pn, G, g1, NORM, IS_BF16, PREC)
             R += dot(b_kt, b_q, IS_BF16, PREC)                               # K^T Q  [BK, BK]
         else:   # P alone needs neither R nor the chunk's products with Q
             b_r, r_n = 0.0, 0.0
