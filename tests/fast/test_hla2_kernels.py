@@ -195,11 +195,6 @@ def test_value_block_never_below_the_device_minimum():
     assert launch.value_block(8, 16, cuda) == 64 and launch.value_block(256, 128, cuda) == 128
 
 
-def test_backward_pieces_need_one_segment(device):
-    q, k, v, g, S0, W0, _ = _inputs(device, T=80)
-    with pytest.raises(ValueError, match="bwd_pieces=2 needs a backward walk of one segment"):
-        chunk.bwd_launch(q, k, v, torch.randn_like(v), g, None, None, None, None, None,
-                         SMALL.replace(bwd_pieces=2, bwd_segments=2))
 
 
 @pytest.mark.parametrize("cross", [False, True])

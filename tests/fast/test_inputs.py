@@ -196,6 +196,12 @@ def test_config_fields_are_checked():
     for bad in (0, True, 2.0):
         with pytest.raises(ValueError, match="config.bwd_pieces must be an int >= 1"):
             cfg.replace(bwd_pieces=bad)
+    # pieces need a backward walk of one segment: refused with the config, not at the backward
+    with pytest.raises(ValueError, match="config.bwd_pieces=2 needs config.bwd_segments=1 .* got bwd_segments=3"):
+        cfg.replace(bwd_pieces=2, bwd_segments=3)
+    with pytest.raises(ValueError, match="config.bwd_pieces=4 needs config.bwd_segments=1"):
+        hla_fast.ChunkConfig(bwd_segments=2, bwd_pieces=4)
+    assert cfg.replace(bwd_pieces=2).bwd_pieces == 2 and cfg.replace(bwd_segments=2).bwd_segments == 2
 
 
 @OPS

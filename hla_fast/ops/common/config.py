@@ -56,7 +56,7 @@ class ChunkConfig:
     bwd_pieces: the backward walks the sequence in this many pieces, the last first, and keeps
         the chunk-end state gradients of one piece at a time (a piece-sized buffer instead of
         one as large as the chunk states); the same launches, in smaller grids. Needs a backward
-        walk of one segment (the wide heads'). HLA2 and AHLA, and HLA3's second stage on HLA2's
+        walk of one segment (the wide heads'): a config with ``bwd_segments`` > 1 is refused. HLA2 and AHLA, and HLA3's second stage on HLA2's
         fused kernels.
     fwd_prefetch, bwd_prefetch: the forward's walks (and its segment summaries), the backward's
         state walk (and its summaries), load the next chunk's tiles before computing the current
@@ -134,6 +134,10 @@ class ChunkConfig:
             x = getattr(self, name)
             if isinstance(x, bool) or not isinstance(x, int) or x < 1:
                 raise ValueError(f"config.{name} must be an int >= 1, got {x!r}")
+        if self.bwd_pieces > 1 and self.bwd_segments > 1:
+            raise ValueError(f"config.bwd_pieces={self.bwd_pieces} needs config.bwd_segments=1 (a piece starts from "
+                             f"the state gradient its successor ends with, which a segmented walk does not form), got "
+                             f"bwd_segments={self.bwd_segments}")
         _power_of_two("fwd_block_v", self.fwd_block_v, 16)
         if self.fwd_output_block_v is not None:
             _power_of_two("fwd_output_block_v", self.fwd_output_block_v, 16)

@@ -132,11 +132,9 @@ def backward_pieces(n_chunks: int, pieces: int):
 
 
 def plan_pieces(n_chunks: int, cfg, nseg: int):
-    """(starts, per) of ``backward_pieces`` for ``cfg.bwd_pieces``; one piece for a segmented walk,
-    which cannot start a piece from the gradient of the next (ValueError if pieces were asked)."""
-    if cfg.bwd_pieces > 1 and nseg > 1:
-        raise ValueError(f"config.bwd_pieces={cfg.bwd_pieces} needs a backward walk of one segment, "
-                         f"but this one has {nseg} (config.bwd_segments={cfg.bwd_segments}); use bwd_segments=1")
+    """(starts, per) of ``backward_pieces`` for ``cfg.bwd_pieces``; one piece for a segmented walk
+    (``nseg`` > 1), which cannot start a piece from the gradient of the next (a config refuses
+    ``bwd_pieces`` > 1 with ``bwd_segments`` > 1, ``ChunkConfig``)."""
     return backward_pieces(n_chunks, cfg.bwd_pieces) if nseg == 1 else ([0], n_chunks)
 
 
