@@ -9,7 +9,11 @@ rule change before making it; for hla3 its second stage's); medians of triton.te
 of the whole call, forward under no_grad and forward + backward, the peak memory one forward + backward allocates beyond
 what was allocated before it (the inputs, do and the previous call's gradients), and the relative
 difference of the two revisions' outputs (of the inference forward and of the training call) and
-input gradients. On a CUDA machine, from the repository root:
+input gradients. ``--rounds`` (default 2) times the pair that many times, the earlier revision first
+in even rounds and last in odd ones, and reports each code's median over the rounds (each round's
+medians beside it): in one round with the earlier revision first, two identical forwards at
+K = V = 64 once timed 1.15 against 1.51 ms (``hla2_h100_ab_dd_ahead.json``). On a CUDA machine,
+from the repository root:
 
     python benchmarks/ab_revision.py --rev 62e7c2f --out benchmarks/results/hla2_h200_ab.json
     python benchmarks/ab_revision.py --op ahla --rev 3c5b091 --out benchmarks/results/ahla_h200_ab.json
@@ -22,6 +26,7 @@ import functools
 import importlib
 import json
 import pathlib
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -90,6 +95,20 @@ def time_call(op, q, k, v, do, g=None, normalize=False, config=None):
     return (*times, (torch.cuda.max_memory_allocated() - base) / 1e6, out)
 
 
+def round_order(pair, rounds: int):
+    """The (label, module) calls of ``rounds`` rounds of the two-element ``pair``: as given in even
+    rounds, reversed in odd ones (ABBA...), so that neither code always runs first."""
+    return [x for r in range(rounds) for x in (pair if r % 2 == 0 else pair[::-1])]
+
+
+def summarize(label, times):
+    """One row's numbers from ``times``, the (fwd ms, fwd+bwd ms, peak MB) of each round of
+    ``label``: the medians over the rounds (the larger peak), and each round's timings."""
+    fwd, fb, mb = (list(x) for x in zip(*times))
+    return {"code": label, "fwd_ms": statistics.median(fwd), "fwdbwd_ms": statistics.median(fb),
+            "fwdbwd_peak_extra_mb": max(mb), "fwd_ms_rounds": fwd, "fwdbwd_ms_rounds": fb}
+
+
 def rule_config(op, q, v, changes, training, gated=False, normalize=False):
     """The configuration ``op``'s call on inputs shaped as q [B, T, H, K] and v [.., V] asks its
     rule for (autograd recording it or not: ``training``; with log-gates: ``gated``; normalized),
@@ -129,7 +148,11 @@ def main():
     ap.add_argument("--normalize", action="store_true",
                     help="normalize=True, on |q| and |k| (positive features keep the denominator positive)")
     ap.add_argument("--config", type=config_changes, default=None, help=HELP + "; for this tree's calls only")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="timings of the pair, alternating which code runs first; each code's median is reported")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be an int >= 1, got {args.rounds}")
     if args.package_dir:
         sys.path.insert(0, args.package_dir)
         old = importlib.import_module(f"hla_fast_{args.rev}")
@@ -148,15 +171,18 @@ def main():
             q, k = q.abs(), k.abs()
         g = -0.001 * torch.rand(4, args.T, 16, device="cuda", generator=gen) if args.gates else None
         do = torch.randn_like(v)
-        outs = {}
-        for label, mod in ((args.rev, old), ("this tree", new)):
+        outs, times = {}, {args.rev: [], "this tree": []}
+        for label, mod in round_order(((args.rev, old), ("this tree", new)), args.rounds):
             cfg = None
             if args.config and mod is new:
                 cfg = functools.partial(rule_config, args.op, q, v, args.config, gated=args.gates,
                                         normalize=args.normalize)
-            f, fb, mb, outs[label] = time_call(getattr(mod, args.op), q, k, v, do, g=g, normalize=args.normalize,
-                                               config=cfg)
-            rows.append({"K": D, "V": args.V or D, "code": label, "fwd_ms": f, "fwdbwd_ms": fb, "fwdbwd_peak_extra_mb": mb})
+            f, fb, mb, out = time_call(getattr(mod, args.op), q, k, v, do, g=g, normalize=args.normalize, config=cfg)
+            outs.setdefault(label, out)
+            times[label].append((f, fb, mb))
+            print({"K": D, "code": label, "fwd_ms": f, "fwdbwd_ms": fb}, flush=True)
+        for label in times:
+            rows.append({"K": D, "V": args.V or D, **summarize(label, times[label])})
             print(rows[-1], flush=True)
         rows[-1]["rel_diff_to_rev"] = {n: rel_error(x, outs[args.rev][n]) for n, x in outs["this tree"].items()}
         print(rows[-1]["rel_diff_to_rev"], flush=True)
@@ -166,7 +192,8 @@ def main():
         timespec="seconds"), "versions": {"torch": torch.__version__, "triton": triton.__version__},
         "op": args.op, "rev": args.rev,
         "shape": {"B": 4, "T": args.T, "H": 16, "dtype": "bfloat16", "gamma": 0.999},
-        "gates": args.gates, "normalize": args.normalize, "config": args.config, "rows": rows}
+        "gates": args.gates, "normalize": args.normalize, "config": args.config, "rounds": args.rounds,
+        "rows": rows}
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
 

@@ -241,6 +241,21 @@ def test_ab_revision_imports_an_earlier_package_beside_this_one(tmp_path):
     assert torch.equal(a, b)
 
 
+def test_ab_revision_alternates_which_code_runs_first():
+    """``--rounds``: the earlier revision first in even rounds, last in odd ones; each code's row
+    holds the median of its rounds (the larger peak) and every round's timings."""
+    ab = load("ab_revision")
+    pair = (("old", 1), ("new", 2))
+    assert ab.round_order(pair, 1) == [("old", 1), ("new", 2)]
+    assert ab.round_order(pair, 3) == [("old", 1), ("new", 2), ("new", 2), ("old", 1), ("old", 1), ("new", 2)]
+    row = ab.summarize("new", [(1.5, 5.0, 10.0), (1.1, 4.0, 12.0), (1.2, 4.5, 11.0)])
+    assert row == {"code": "new", "fwd_ms": 1.2, "fwdbwd_ms": 4.5, "fwdbwd_peak_extra_mb": 12.0,
+                   "fwd_ms_rounds": [1.5, 1.1, 1.2], "fwdbwd_ms_rounds": [5.0, 4.0, 4.5]}
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "ab_revision.py"), "--rev", "HEAD",
+                          "--rounds", "0"], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 2 and "--rounds must be an int >= 1, got 0" in run.stderr
+
+
 def test_ab_revision_changes_the_rule_for_this_trees_calls():
     """``--config``: this tree's calls take the rule's layout for their shapes with the changes."""
     import hla_fast
