@@ -98,8 +98,8 @@ def serial_exclusive_scan(items: Sequence[T], combine: Callable[[T, T], T], iden
 
 def inclusive_scan(items: Sequence[T], combine: Callable[[T, T], T], identity: T) -> List[T]:
     """Inclusive prefixes ``items[0] * ... * items[t]``: the exclusive tree scan, then one local
-    combine per position ("local inclusion") to add the item itself."""
-    items = _check_scan(items, combine)
+    combine per position ("local inclusion") to add the item itself. ``blelloch_scan`` checks
+    the arguments."""
     return [combine(p, x) for p, x in zip(blelloch_scan(items, combine, identity), items)]
 
 

@@ -56,8 +56,8 @@ class ChunkConfig:
     bwd_pieces: the backward walks the sequence in this many pieces, the last first, and keeps
         the chunk-end state gradients of one piece at a time (a piece-sized buffer instead of
         one as large as the chunk states); the same launches, in smaller grids. Needs a backward
-        walk of one segment (the wide heads'): a config with ``bwd_segments`` > 1 is refused. HLA2 and AHLA, and HLA3's second stage on HLA2's
-        fused kernels.
+        walk of one segment (the wide heads'): a config with ``bwd_segments`` > 1 is refused. HLA2
+        and AHLA, and HLA3's second stage on HLA2's fused kernels.
     fwd_prefetch, bwd_prefetch: the forward's walks (and its segment summaries), the backward's
         state walk (and its summaries), load the next chunk's tiles before computing the current
         one, so that their memory latency overlaps the products, at the cost of the registers
