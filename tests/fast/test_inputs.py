@@ -169,10 +169,10 @@ def test_default_chunk_size(op, device):
 
 
 @OPS
-def test_config_is_the_triton_layout_alone(op):
+def test_config_is_the_triton_layout_alone(op, device):
     """A config sets the Triton kernels' whole layout: on the torch backend it is refused (not
     ignored), and a chunk_size beside it must be None or the config's own chunks (not ignored)."""
-    q, k, v = _qkv(T=20)
+    q, k, v = _qkv(T=20, device=device)
     cfg = hla_fast.ChunkConfig(fwd_chunk=16, bwd_chunk=16, fwd_block_v=16)
     with pytest.raises(ValueError, match="config is a layout of the triton backend's kernels; backend 'torch'"):
         op.op(q, k, v, backend="torch", config=cfg)
