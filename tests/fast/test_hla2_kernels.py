@@ -195,8 +195,6 @@ def test_value_block_never_below_the_device_minimum():
     assert launch.value_block(8, 16, cuda) == 64 and launch.value_block(256, 128, cuda) == 128
 
 
-
-
 @pytest.mark.parametrize("cross", [False, True])
 def test_gradient_launches_split_by_part(cross, device, poison):
     """Every grouping of dq (1), dk (2), dv (4) over launches gives the same gradients and db."""

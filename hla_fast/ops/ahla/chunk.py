@@ -53,7 +53,7 @@ from ..common.cumsum import GateSums, sums_at
 from ..common.gates import log_gamma, log_gate_grad
 from ..common.normalize import with_column, with_ones
 from ..common.launch import (
-    bf16_dots, cdiv, dot_precision, min_key_block, min_value_block, one_wave_segments, plan_pieces, pow2_block,
+    backward_pieces, bf16_dots, cdiv, dot_precision, min_key_block, min_value_block, one_wave_segments, pow2_block,
     rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
 )
 from .chunk_kernels import (
@@ -414,7 +414,7 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
             NSEG=nseg, K=K, V=V, BK=BK, BV=BV, PREC=flags["PREC"], num_warps=nw)
     # -- the walk (every chunk's end-state gradient), then every chunk's gradients in the launches
     #    the config names; in pieces, the last first, as HLA2's backward (common.launch.run_pieces)
-    starts, NP = plan_pieces(NT, cfg, nseg)
+    starts, NP = backward_pieces(NT, cfg.bwd_pieces)   # one piece when segmented (ChunkConfig)
     dst = _dstate_dtype(snap, BK)
     dp_end = torch.empty(BH, NP, K, V, device=dev, dtype=dst)
     de_end = torch.empty(BH, NP, K, V, device=dev, dtype=dst)

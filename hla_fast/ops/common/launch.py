@@ -131,13 +131,6 @@ def backward_pieces(n_chunks: int, pieces: int):
     return list(range(0, n_chunks, per))[::-1], per
 
 
-def plan_pieces(n_chunks: int, cfg, nseg: int):
-    """(starts, per) of ``backward_pieces`` for ``cfg.bwd_pieces``; one piece for a segmented walk
-    (``nseg`` > 1), which cannot start a piece from the gradient of the next (a config refuses
-    ``bwd_pieces`` > 1 with ``bwd_segments`` > 1, ``ChunkConfig``)."""
-    return backward_pieces(n_chunks, cfg.bwd_pieces) if nseg == 1 else ([0], n_chunks)
-
-
 def run_pieces(starts, per: int, n_chunks: int, de, dh0, pair, step):
     """Run a backward in pieces, the last first: ``step(c0, n, de, dh0)`` launches the walk of the
     n chunks from c0, starting from the end gradient ``de`` and leaving the gradient at c0 in

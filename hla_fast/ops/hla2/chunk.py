@@ -53,7 +53,7 @@ from ..common.config import DEFAULT_CHUNK, ChunkConfig, chunk_or_default, refuse
 from ..common.cumsum import GateSums
 from ..common.gates import log_gamma, log_gate_grad
 from ..common.launch import (
-    bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments, plan_pieces,
+    backward_pieces, bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments,
     pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
 )
 from ..common.normalize import normalized_output_grad, quotient, with_column, with_ones
@@ -561,7 +561,7 @@ def bwd_launch(q, k, v, do, g, gamma, s0, w0, dht_s, dht_w, cfg: ChunkConfig, *,
     # -- the walk (every chunk's end-state gradient), then every chunk's gradients in the launches
     #    the config names; piece by piece, the last first, each walk starting from the gradient
     #    the later piece left at its start --------------------------------------------------------
-    starts, NP = plan_pieces(NT, cfg, nseg)
+    starts, NP = backward_pieces(NT, cfg.bwd_pieces)   # one piece when segmented (ChunkConfig)
     ds_end = torch.empty(BH, NP, K, K2, device=dev, dtype=cs_s.dtype)
     dw_end = torch.empty(BH, NP, K, V, device=dev, dtype=cs_w.dtype)
     dz_end = z_buf(BH, NP)
