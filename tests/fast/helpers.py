@@ -197,7 +197,7 @@ class _NaNTorch:
 # the modules whose code allocates kernel outputs: the operators' launchers, and the decode steps'
 # shared buffers (their new state and output)
 KERNEL_MODULES = ["hla_fast.ops.hla2.chunk", "hla_fast.ops.ahla.chunk", "hla_fast.ops.hla3.chunk",
-                  "hla_fast.ops.common.step"]
+                  "hla_fast.ops.common.step", "hla_fast.ops.common.denominator"]
 
 
 def real_calls(fn, record):
@@ -244,23 +244,25 @@ class Operator:
         return self.package or self.name
 
 
-def _as_layers(op, shared=False):
+def _as_layers(op, shared=False, den_pass=False):
     """``op`` with its triton calls run as first-order layers (``ChunkConfig.layers``; hla3's
-    second stage; ``shared``: hla3's R and K' in one walk, ``fwd_shared_walk``) in chunks of
-    ``chunk_size`` (DEFAULT_CHUNK, 64, when None), whatever the rule would take; other backends and
-    a bad ``chunk_size`` go to ``op`` as given (its checks name them)."""
+    second stage; ``shared``: hla3's R and K' in one walk, ``fwd_shared_walk``; ``den_pass``: hla2's
+    normalized outer layer with its denominator from passes of its own, ``fwd_den_pass``) in chunks
+    of ``chunk_size`` (DEFAULT_CHUNK, 64, when None), whatever the rule would take; other backends
+    and a bad ``chunk_size`` go to ``op`` as given (its checks name them)."""
     def call(q, k, v, *, backend=None, chunk_size=None, config=None, **kw):
         if backend == "triton" and config is None and chunk_size in (None, 16, 32, 64, 128):
             c = chunk_size or 64
             config = hla_fast.ChunkConfig(fwd_chunk=c, bwd_chunk=c, grad_parts=(7,), layers=True,
-                                          fwd_shared_walk=shared)
+                                          fwd_shared_walk=shared, fwd_den_pass=den_pass)
         return op(q, k, v, backend=backend, chunk_size=chunk_size, config=config, **kw)
 
-    call.__name__ = f"{op.__name__}_{'shared_walk' if shared else 'layers'}"
+    call.__name__ = f"{op.__name__}_{'shared_walk' if shared else 'den_pass' if den_pass else 'layers'}"
     return call
 
 
 hla2_layers = _as_layers(hla_fast.hla2)
+hla2_den_pass = _as_layers(hla_fast.hla2, den_pass=True)
 hla3_layers = _as_layers(hla_fast.hla3)
 hla3_shared_walk = _as_layers(hla_fast.hla3, shared=True)
 
@@ -279,6 +281,8 @@ OPERATORS = [
              ref_hla2, brute_hla2, naive=hla2_naive_quadratic),
     # as layers, a non-finite k at token t enters the inner layer's product A K as a value row
     Operator("hla2_layers", hla2_layers, hla_fast.hla2_step, hla_fast.HLA2State, _hla2_state_shapes,
+             ref_hla2, brute_hla2, naive=hla2_naive_quadratic, garbage_within_chunk=False, package="hla2"),
+    Operator("hla2_den_pass", hla2_den_pass, hla_fast.hla2_step, hla_fast.HLA2State, _hla2_state_shapes,
              ref_hla2, brute_hla2, naive=hla2_naive_quadratic, garbage_within_chunk=False, package="hla2"),
     Operator("ahla", hla_fast.ahla, hla_fast.ahla_step, hla_fast.AHLAState,
              lambda B, H, K, V, norm: {"P": (B, H, K, V), "E": (B, H, K, V), "p": (B, H, K) if norm else None,

@@ -270,6 +270,7 @@ def _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM: tl.constexpr, 
     "NORM": lambda a: a["ht_pn"] is not None or a["den"] is not None,
     "HAS_E": lambda a: a["o"] is not None or a["ht_e"] is not None or a["cs_e"] is not None,
     "HAS_V2": lambda a: a["v2"] is not None,
+    "DIVIDE": lambda a: a["den_in"] is not None,
 })
 @triton.jit
 def ahla_fwd_kernel(
@@ -279,6 +280,8 @@ def ahla_fwd_kernel(
                              #   state per segment [B*H*NSEG, K, V2] (None: zero), final state [B*H, K, V2],
                              #   snapshots [B*H, NT, K, V2] (each None when not asked for); all None without
     o, den,                  # out: o [B, T, H, V] or None; den [B, T, H] fp32 (normalize) or None
+    den_in,                  # a first layer's denominator fp32 [B, T, H] to divide R by (``common.denominator``),
+                             #   or None
     h0_p, h0_e, h0_pn, h0_en,  # start state of every segment, fp32 [B*H*NSEG, K, V] x 2, [.., K] x 2; or None
                              #   (h0_e None: zero, or not carried)
     ht_p, ht_e, ht_pn, ht_en,  # out: final state [B*H, K, V] x 2, [B*H, K] x 2; or None
@@ -294,6 +297,7 @@ def ahla_fwd_kernel(
     STORE_R: tl.constexpr, STORE_FINAL: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr,
     SCALE_ROWS: tl.constexpr, HAS_E: tl.constexpr, V2: tl.constexpr, BV2: tl.constexpr, HAS_V2: tl.constexpr,
     SAVE_PN: tl.constexpr, SUMS_AHEAD: tl.constexpr,   # read each next chunk's gate sums a step ahead
+    DIVIDE: tl.constexpr,
 ):
     """One program per (value block, segment, batch*head) walks its segment's chunks in order,
     keeping its columns of P and E (and all of p, e when NORM) in fp32 registers: outputs (HAS_O,
@@ -303,7 +307,9 @@ def ahla_fwd_kernel(
     Without HAS_E (no output, E's snapshot or final state asked for) the walk is first-order
     attention alone, R = LA(q, k, v) with state P: third order's first stage (``hla3``), HLA2's
     layers. With NORM it is normalized: R / (r_n + eps) is stored in r, r_n in den, p carried
-    beside P (its chunk-start snapshots in cs_pn with SAVE_PN). HAS_V2
+    beside P (its chunk-start snapshots in cs_pn with SAVE_PN). DIVIDE (the first layer alone,
+    without NORM): R / (den_in + eps) is stored in r, den_in formed by passes of its own before the
+    walk (``common/denominator.py``), which then carries no p. HAS_V2
     (without HAS_E or NORM, V in one block): also R2 = LA(q, k, v2) with state P2 (module docstring,
     "A second value tensor")."""
     # -- which piece of work this program owns ---------------------------------------------
@@ -360,6 +366,8 @@ def ahla_fwd_kernel(
             _store_start(cs_p, cs_e, cs_pn, None, i_cs, P, E, pn, en, i_v, rk, mk, rv, mv, K, V, SAVE_PN, HAS_E)
             if HAS_V2:
                 store_mat(cs_p2 + i_cs * K * V2, P2, rk, mk, rv2, mv2, V2)
+        if DIVIDE:   # read here, used at the store: its latency overlaps the chunk's products
+            b_din = tl.load(den_in + off_g + t * H, mask=mt, other=1.0)                  # [BT]
         # -- first order: R = diag(g1) Q P0 + A V ------------------------------------------
         b_qn = _normalizer_rows(q, b_q, off_k, t, mt, rk, mk, H, K, NORM, PREFETCH)      # Q [BT, BK] fp32
         b_a, b_r, r_n = _chunk_first_order(b_q, b_kt, b_v, P, b_qn, pn, G, g1, NORM, IS_BF16, PREC)
@@ -368,6 +376,8 @@ def ahla_fwd_kernel(
                 if i_v == 0:
                     tl.store(den + off_g + t * H, r_n, mask=mt)
                 b_ro = b_r / (r_n + eps)[:, None]
+            elif DIVIDE:
+                b_ro = b_r / (b_din + eps)[:, None]
             else:
                 b_ro = b_r
             tl.store(r + off_v + t[:, None] * (H * V) + rv[None, :], b_ro.to(r.dtype.element_ty),

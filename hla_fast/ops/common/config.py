@@ -100,6 +100,10 @@ class ChunkConfig:
         [V | K]: each chunk's Q K^T and its reads of Q and K serve both (one program holds both
         when ``fwd_block_v`` covers V + K columns), and R's layer takes this config's layout
         (so ``hla3`` takes it as one ChunkConfig, not a pair). Needs ``layers``. HLA3 only.
+    fwd_den_pass: with ``layers``, a normalized call's outer layer takes its denominator
+        LA(Q, K', 1) from passes of its own, parallel over chunks (``common/denominator.py``), and
+        walks unnormalized, dividing each chunk's rows by it, instead of carrying the denominator's
+        state in its walk. Needs ``layers``; changes nothing unnormalized. HLA2 only.
     """
 
     fwd_chunk: int = 64
@@ -124,6 +128,7 @@ class ChunkConfig:
     fwd_output_block_v: int | None = None
     layers: bool = False
     fwd_shared_walk: bool = False
+    fwd_den_pass: bool = False
 
     def __post_init__(self):
         for name, choices in _CHOICES.items():
@@ -151,7 +156,7 @@ class ChunkConfig:
         if sorted(b for m in parts for b in (1, 2, 4) if m & b) != [1, 2, 4]:
             raise ValueError(f"config.grad_parts must cover dq (1), dk (2) and dv (4) once each, got {parts!r}")
         for name in ("save_states", "bf16_snapshots", "fwd_prefetch", "bwd_prefetch", "bwd_layers", "fwd_output_pass",
-                     "fwd_two_walks", "layers", "fwd_shared_walk"):
+                     "fwd_two_walks", "layers", "fwd_shared_walk", "fwd_den_pass"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"config.{name} must be True or False, got {getattr(self, name)!r}")
         rb = self.fwd_row_blocks
@@ -165,6 +170,9 @@ class ChunkConfig:
         if self.fwd_two_walks and self.fwd_segments != 1:
             raise ValueError(f"config.fwd_two_walks needs config.fwd_segments=1 (the two walks run whole "
                              f"sequences), got {self.fwd_segments}")
+        if self.fwd_den_pass and not self.layers:
+            raise ValueError("config.fwd_den_pass needs config.layers (it is how hla2's outer first-order layer forms "
+                             "its denominator), got layers=False")
         if self.fwd_shared_walk and not self.layers:
             raise ValueError("config.fwd_shared_walk needs config.layers (it runs two of hla3's first-order layers in "
                              "one walk), got layers=False")
@@ -211,6 +219,13 @@ def refuse_shared_walk(cfg: ChunkConfig, op: str) -> None:
     if cfg.fwd_shared_walk:
         raise ValueError(f"config.fwd_shared_walk must be False for {op} (its first-order layers read different keys; "
                          f"only hla3's R and K' share theirs), got True")
+
+
+def refuse_den_pass(cfg: ChunkConfig, op: str) -> None:
+    """Refuse ``fwd_den_pass`` for an operator whose normalized calls do not run HLA2's outer layer."""
+    if cfg.fwd_den_pass:
+        raise ValueError(f"config.fwd_den_pass must be False for {op} (only hla2's normalized outer layer takes its "
+                         f"denominator from passes of its own), got True")
 
 
 def refuse_ahla_fields(cfg: ChunkConfig, op: str) -> None:

@@ -86,10 +86,6 @@ TWO_WALKS_CHUNK = 64
 TWO_WALKS_MIN_CHUNKS = 128
 # a split forward's output pass computes up to OUTPUT_BLOCK_V value columns a program
 OUTPUT_BLOCK_V = TILE_MAX
-# a normalized call that the layers' rule would walk in chunks of 128 walks chunks of
-# NORMALIZED_LAYERS_CHUNK in NORMALIZED_LAYERS_WARPS-warp programs instead (hla2_config)
-NORMALIZED_LAYERS_CHUNK = 64
-NORMALIZED_LAYERS_WARPS = 4
 
 
 def bwd_value_width(K: int) -> int:
@@ -108,18 +104,20 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     layers (:func:`layers_config`) where :func:`takes_layers` says they were measured faster, else
     the fused kernels' rule (:func:`fused_config`). Normalized or not alike: the layers carry the
     denominator's state z beside W in the outer layer's walks (:class:`HLA2LayersFunction`), as the
-    fused kernels do; but a normalized inference forward that the layers' rule walks in chunks of
-    128 (128-wide keys) takes chunks of 64 in 4-warp programs, whose row sums of A stay within a
-    warp: faster there, while the unnormalized call is faster in chunks of 128
-    (``hla2_h200_normalized_layers_fwd_layouts_k128.json``, ``hla2_h200_plain_fwd_layouts_k128.json``;
-    the numbers and the command in hla_fast/README.md, "The configuration rule"). The result is
+    fused kernels do; but a normalized forward that the layers' rule walks in chunks of 128 (an
+    inference forward of 128-wide keys) takes the denominator from passes of its own
+    (``fwd_den_pass``), walking the outer layer unnormalized in the same layout: faster than that
+    walk carrying z in chunks of 128, and than the chunks of 64 in 4-warp programs the rule took
+    before, gated or not (``hla2_h100_den_pass_layouts_k128{,_gates}.json``); at K = V = 64 and in
+    training (chunks of 64) the passes were slower (``hla2_h100_den_pass_layouts_k64.json``; the
+    numbers and the command in hla_fast/README.md, "The configuration rule"). The result is
     immutable, so it is cached."""
     wide = K > TILE_MAX   # in key blocks (normalized on [v | 1]: no NORM walks)
     if takes_layers(T, K, V, dtype, False, training):
         width = max(b - a for a, b in key_blocks(K))
         cfg = layers_config(B, T, H, width, V, dtype, device, chunk_size, training)
-        if normalize and not wide and chunk_size is None and cfg.fwd_chunk == 128:
-            cfg = cfg.replace(fwd_chunk=NORMALIZED_LAYERS_CHUNK, fwd_warps=NORMALIZED_LAYERS_WARPS)
+        if normalize and not wide and cfg.fwd_chunk == 128:
+            cfg = cfg.replace(fwd_den_pass=True)
         return cfg
     return fused_config(B, T, H, K, V, dtype, device, chunk_size, gated, normalize, training)
 

@@ -66,7 +66,7 @@ import torch
 
 from ..ahla.chunk import ahla_config, layer_bwd, layer_fwd, layer_pair_fwd
 from ..common.compile import compile_ahead, launch_kernel
-from ..common.config import ChunkConfig, chunk_or_default, refuse_ahla_fields, refuse_split_forward
+from ..common.config import ChunkConfig, chunk_or_default, refuse_ahla_fields, refuse_den_pass, refuse_split_forward
 from ..common.cumsum import GateSums
 from ..common.autograd import autograd_records, kernel_backward
 from ..common.launch import pow2_block, snapshot_dtype
@@ -121,7 +121,10 @@ def stage_configs(config) -> tuple[ChunkConfig, ChunkConfig]:
     forward and backward fields); of a pair, the first stage's may not ask for what only HLA2's
     forward, AHLA's backward walk or the second stage has (the split forward, ``bwd_prefetch``,
     ``layers``), the second's not for what only AHLA's walks have (loading ahead, the layered
-    backward), unless it runs as layers (which load ahead as AHLA's forward walk does)."""
+    backward), unless it runs as layers (which load ahead as AHLA's forward walk does); neither
+    for HLA2's normalized outer layer (``fwd_den_pass``)."""
+    for cfg in (config,) if isinstance(config, ChunkConfig) else config:
+        refuse_den_pass(cfg, "hla3")
     if isinstance(config, ChunkConfig):
         if config.layers:
             return first_of_layers(config), config
