@@ -1,4 +1,5 @@
-"""Where the time of one forward + backward goes: CUDA time per kernel, from torch.profiler.
+"""Where the time of one forward + backward (or, with ``--forward``, of one inference forward)
+goes: CUDA time per kernel, from torch.profiler.
 
 For each case ``op:K:T`` (op in hla2, ahla, hla3; K = V; bf16, B = 4, H = 16, gamma = 0.999, the
 default configuration), ``op:K:T:g`` (per-token log-gates g that require grad instead of gamma),
@@ -10,6 +11,7 @@ casts, fills) under theirs.
     python benchmarks/profile_kernels.py --tag h200                 # the recorded run (a GPU)
     python benchmarks/profile_kernels.py --cases ahla:128:32768 --config '{"bwd_layers": true}' --tag x
     python benchmarks/profile_kernels.py --cases hla2:64:32768,hla2:64:32768:n --tag hla2_normalize
+    python benchmarks/profile_kernels.py --cases hla2:128:32768:n --forward --tag hla2_forward
     python benchmarks/profile_kernels.py --render benchmarks/results/kernels_h200.json
 """
 from __future__ import annotations
@@ -50,8 +52,9 @@ def parse_cases(text):
     return out
 
 
-def profile_case(op, D, T, gated=False, changes=None, normalize=False):
-    """{kernel name: [ms per forward + backward, launches per forward + backward]}, largest first.
+def profile_case(op, D, T, gated=False, changes=None, normalize=False, forward=False):
+    """{kernel name: [ms per call, launches per call]}, largest first; a call is a forward +
+    backward, or with ``forward`` an inference forward (under no_grad, the rule as such a call asks it).
     gated: log-gates g [B, T, H] (``bench_hla2.make_gates``) that require grad, instead of gamma.
     normalize: normalize=True, on |q| and |k| (a positive denominator).
     changes: ChunkConfig fields changed from the rule's training layout (None: the rule's; hla3:
@@ -65,13 +68,17 @@ def profile_case(op, D, T, gated=False, changes=None, normalize=False):
     q, k, v = make_inputs(4, T, 16, D, D)
     if normalize:
         q, k = q.abs(), k.abs()
-    q, k, v = (x.requires_grad_() for x in (q, k, v))
-    decay = {"g": make_gates(4, T, 16).requires_grad_()} if gated else {"gamma": 0.999}
+    q, k, v = (x.requires_grad_(not forward) for x in (q, k, v))
+    decay = {"g": make_gates(4, T, 16).requires_grad_(not forward)} if gated else {"gamma": 0.999}
     do = torch.randn_like(v)
-    # the rule as a training call with these flags asks it (hla3: each stage's), changed
-    cfg = rule_config(op, q, v, changes or {}, training=True, gated=gated, normalize=normalize)
+    # the rule as the call with these flags asks it (hla3: each stage's), changed
+    cfg = rule_config(op, q, v, changes or {}, training=not forward, gated=gated, normalize=normalize)
 
     def step():
+        if forward:
+            with torch.no_grad():
+                fn(q, k, v, backend="triton", config=cfg, normalize=normalize, **decay)
+            return
         for x in (q, k, v, *(x for x in decay.values() if torch.is_tensor(x))):
             x.grad = None   # a fresh gradient each call, not an accumulation into the last one
         o, _ = fn(q, k, v, backend="triton", config=cfg, normalize=normalize, **decay)
@@ -90,13 +97,14 @@ def profile_case(op, D, T, gated=False, changes=None, normalize=False):
         if t > 0:
             rows[e.key[:80]] = [t / CALLS / 1000, e.count // CALLS]
     return {"op": op, "K": D, "V": D, "T": T, "B": 4, "H": 16, "gated": gated, "normalize": normalize,
-            "config": str(cfg),
+            "forward": forward, "config": str(cfg),
             "kernels_ms": dict(sorted(rows.items(), key=lambda kv: -kv[1][0]))}
 
 
 def render_markdown(res):
     v = res.get("versions", {})
-    lines = [f"# Kernel times of one forward + backward on {res['device']}", "",
+    call = "inference forward" if res.get("forward") else "forward + backward"
+    lines = [f"# Kernel times of one {call} on {res['device']}", "",
              f"Date {res['date']}; torch {v.get('torch')}, triton {v.get('triton')}"
              + (f"; code {res['code']}" if res.get("code") else "") + ". bf16, B = 4, H = 16, gamma = 0.999, "
              + (f"the rule's configuration changed by `{json.dumps(res['config'])}`" if res.get("config")
@@ -124,6 +132,7 @@ def main():
     ap.add_argument("--cases", default=CASES, help="comma list of op:K:T or op:K:T:FLAGS (g, n or gn)")
     ap.add_argument("--render", default=None, help="only write the markdown beside this recorded JSON")
     ap.add_argument("--config", type=config_changes, default=None, help=HELP + " (every case)")
+    ap.add_argument("--forward", action="store_true", help="profile inference forwards instead")
     args = ap.parse_args()
     if args.render:
         render_stored(args.render, render_markdown)
@@ -138,12 +147,13 @@ def main():
     res = {"device": torch.cuda.get_device_name(0),
            "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()},
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "cases": [],
+           "forward": args.forward,
            **({"config": args.config} if args.config else {})}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"kernels_{args.tag}")
     for op, D, T, gated, normalize in cases:
         t0 = time.perf_counter()
-        res["cases"].append(profile_case(op, D, T, gated, args.config, normalize))
+        res["cases"].append(profile_case(op, D, T, gated, args.config, normalize, args.forward))
         print(f"{op} K={D} T={T} gated={gated} normalize={normalize}: {time.perf_counter() - t0:.1f} s", flush=True)
         write_record(path, res, render_markdown)
         torch.cuda.empty_cache()

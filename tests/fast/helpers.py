@@ -261,6 +261,17 @@ def _as_layers(op, shared=False, den_pass=False):
     return call
 
 
+def checked_layers_flag(name):
+    """(layers, layers with the bool field ``name`` set) for ``hla_fast.ChunkConfig(layers=True)`` in
+    chunks of 16, after checking that ``name`` needs layers and takes only a bool."""
+    layers = hla_fast.ChunkConfig(fwd_chunk=16, bwd_chunk=16, grad_parts=(7,), layers=True)
+    with pytest.raises(ValueError, match=f"config.{name} needs config.layers .*got layers=False"):
+        hla_fast.ChunkConfig(**{name: True})
+    with pytest.raises(TypeError, match=f"config.{name} must be True or False, got 1"):
+        layers.replace(**{name: 1})
+    return layers, layers.replace(**{name: True})
+
+
 hla2_layers = _as_layers(hla_fast.hla2)
 hla2_den_pass = _as_layers(hla_fast.hla2, den_pass=True)
 hla3_layers = _as_layers(hla_fast.hla3)

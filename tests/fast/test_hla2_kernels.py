@@ -10,8 +10,8 @@ import triton
 import triton.language as tl
 
 from .helpers import (
-    BENCHMARKS, HOPPER_SHARED, brute_hla2, has_cuda_compiler, rand_gates, rand_qkv, real_calls, ref_hla2, rel,
-    rule_kernels_shared, run_compiler, torch,
+    BENCHMARKS, HOPPER_SHARED, brute_hla2, checked_layers_flag, has_cuda_compiler, rand_gates, rand_qkv, real_calls,
+    ref_hla2, rel, rule_kernels_shared, run_compiler, torch,
 )
 
 import hla_fast
@@ -581,15 +581,15 @@ def test_layers_rule(monkeypatch):
                 ahla = hla_fast.ahla_config(4, 32768, 16, K, K, bf16, cuda, training=training)
                 assert c == ahla.replace(bwd_segments=1, bwd_pieces=1, bwd_prefetch=False, bwd_layers=False,
                                          grad_parts=(7,), layers=True)
-                # normalized: the same layout, with the denominator's passes where it walks chunks of 128
+                # normalized: the same layout, with the denominator's passes for 128-wide key tiles
                 n = hla_fast.hla2_config(4, 32768, 16, K, K, bf16, cuda, gated=gated, training=training, normalize=True)
-                assert n == (c.replace(fwd_den_pass=True) if c.fwd_chunk == 128 else c)
-                assert n.fwd_den_pass == (K == 128 and not training)
+                assert n == (c.replace(fwd_den_pass=True) if K == 128 else c)
     c = hla_fast.hla2_config(4, 32768, 16, 128, 128, bf16, cuda)
     assert (c.fwd_chunk, c.fwd_warps, c.fwd_stages) == (128, 8, 2)   # AHLA's inference walk of 128-wide keys
     for chunk_size in (None, 128, 64):
-        n = hla_fast.hla2_config(4, 32768, 16, 128, 128, bf16, cuda, chunk_size, normalize=True)
-        assert n.fwd_chunk == (chunk_size or 128) and n.fwd_den_pass == (n.fwd_chunk == 128), chunk_size
+        for K in (100, 128):
+            n = hla_fast.hla2_config(4, 32768, 16, K, K, bf16, cuda, chunk_size, normalize=True)
+            assert n.fwd_chunk == (chunk_size or 128) and n.fwd_den_pass, (chunk_size, K)
     c = hla_fast.hla2_config(4, 32768, 16, 128, 128, bf16, cuda, training=True)
     assert (c.fwd_chunk, c.bwd_chunk, c.save_states) == (64, 64, True)
     for args, kw in [((4, 32768, 16, 128, 128, torch.float32), dict(normalize=True)),
@@ -636,63 +636,61 @@ def test_layers_config_is_checked(device):
     assert rel(o, ref_hla2(q, k, v, 0.9)) < TOL
 
 
-def first_order_denominator(q, k, b, p0):
-    """den_t = q_t . (exp(b_t) p0 + sum_{j <= t} exp(b_t - b_j) k_j), with p after the last token and
-    before each token, straight from the sums (float64 in: q, k [B, T, H, K], b [B, T, H] the
-    cumulative log decay, p0 [B, H, K]; out den [B, T, H], p_T [B, H, K], p before t [B, T, H, K])."""
-    T = q.shape[1]
+def first_order_state(k, b, p0):
+    """p before every token and after the last, p_t = exp(b_t) p0 + sum_{j <= t} exp(b_t - b_j) k_j
+    (after token t), straight from the sums (float64 in: k [B, T, H, K], b [B, T, H] the cumulative
+    log decay, p0 [B, H, K]; out [B, T, H, K], [B, H, K])."""
+    T = k.shape[1]
     t = torch.arange(T)
     keep = t[:, None] >= t[None, :]                                                   # [t, j]
     w = torch.where(keep[None, :, :, None], torch.exp(torch.where(
         keep[None, :, :, None], b[:, :, None] - b[:, None, :], 0.0)), 0.0)             # [B, t, j, H]
     p = torch.einsum("btjh,bjhk->bthk", w, k) + torch.exp(b)[..., None] * p0[:, None]  # p after token t
-    before = torch.cat([p0[:, None], p[:, :-1]], 1)
-    return (q * p).sum(-1), p[:, -1], before
+    return torch.cat([p0[:, None], p[:, :-1]], 1), p[:, -1]
 
 
-@pytest.mark.parametrize("T,K,chunk_rows", [(1, 8, 16), (37, 12, 16), (600, 20, 16), (70, 16, 32)])
+@pytest.mark.parametrize("T,K,chunk_rows", [(1, 8, 16), (37, 12, 16), (600, 20, 16), (70, 16, 32), (300, 24, 128)])
 @pytest.mark.parametrize("decay", ["none", "gamma", "g"])
 @pytest.mark.parametrize("init", [False, True])
 def test_denominator_passes_are_the_sums(T, K, chunk_rows, decay, init, device, poison):
-    """``common.denominator.layer_denominator`` (``fwd_den_pass``): den, the final p and p at every
-    chunk's start against the index sums, with a constant decay, log-gates or none, from zero or
-    from a given p0, over a single token, odd lengths and more chunks than one scan block
-    (600 tokens in chunks of 16: two blocks of SCAN_CHUNKS)."""
+    """``common.denominator.carried_denominator`` (``fwd_den_pass``): p at every chunk's start, q_t
+    . p at the start of t's chunk and the final p against the index sums, with a constant decay,
+    log-gates or none, from zero or from a given p0, over a single token, odd lengths, more chunks
+    than one scan block (600 tokens in chunks of 16: two blocks of SCAN_CHUNKS) and chunks longer
+    than a query block (128 rows: two blocks of QUERY_ROWS read one chunk's p)."""
     from hla_fast.ops.common import denominator
     B, H = 2, 3
     q, k, _ = rand_qkv(B, T, H, K, 4, seed=T + K, device=device)
     g = rand_gates(B, T, H, seed=K, device=device) if decay == "g" else None
     gamma = 0.9 if decay == "gamma" else None
     p0 = torch.rand(B, H, K, generator=torch.Generator().manual_seed(5)).to(device) if init else None
-    flags = {"HAS_DECAY": decay != "none", "IS_BF16": False, "PREC": launch.dot_precision(torch.float32)}
     lg = 0.0 if gamma is None else float(torch.log(torch.tensor(gamma, dtype=torch.float64)))
-    den, pT, starts = denominator.layer_denominator(q, k, g, gamma, p0, chunk=chunk_rows, flags=flags, log_gamma=lg,
-                                                    keep_starts=True, launch=launch_kernel)
+    qp, pT, starts = denominator.carried_denominator(q, k, g, gamma, p0, chunk=chunk_rows, flags={
+        "HAS_DECAY": decay != "none"}, log_gamma=lg, launch=launch_kernel)
     if g is not None:
         b = g.double().cpu().cumsum(1)
     else:
         b = torch.arange(1, T + 1, dtype=torch.float64)[None, :, None].expand(B, T, H) * lg
-    want, want_pT, before = first_order_denominator(q.double().cpu(), k.double().cpu(), b,
-                                                    torch.zeros(B, H, K, dtype=torch.float64) if p0 is None
-                                                    else p0.double().cpu())
-    assert rel(den, want) < TOL and rel(pT, want_pT) < TOL
+    before, want_pT = first_order_state(k.double().cpu(), b, torch.zeros(B, H, K, dtype=torch.float64)
+                                        if p0 is None else p0.double().cpu())
     NT = -(-T // chunk_rows)
-    want_starts = before[:, ::chunk_rows].permute(0, 2, 1, 3).reshape(B * H, NT, K)
+    at_starts = before[:, ::chunk_rows]                                               # [B, NT, H, K]
+    want_qp = (q.double().cpu() * at_starts.repeat_interleave(chunk_rows, 1)[:, :T]).sum(-1)
+    assert rel(pT, want_pT) < TOL
+    if NT == 1 and p0 is None:   # one chunk from a zero state: nothing before it
+        assert torch.equal(qp.cpu(), torch.zeros(B, T, H))
+    else:
+        assert rel(qp, want_qp) < TOL
     assert starts.shape == (B * H, NT, K)
     assert torch.equal(starts[:, 0].cpu(), torch.zeros(B * H, K) if p0 is None else p0.reshape(B * H, K).cpu())
     if NT > 1:
-        assert rel(starts[:, 1:], want_starts[:, 1:]) < TOL
+        assert rel(starts[:, 1:], at_starts.permute(0, 2, 1, 3).reshape(B * H, NT, K)[:, 1:]) < TOL
 
 
 def test_den_pass_config_is_checked(device):
     """config.fwd_den_pass: a bool that needs layers (so AHLA, which refuses layers, refuses it too),
     refused by hla3 (one config or either of a pair); unnormalized it changes nothing."""
-    layers = ChunkConfig(fwd_chunk=16, bwd_chunk=16, grad_parts=(7,), layers=True)
-    with pytest.raises(ValueError, match="config.fwd_den_pass needs config.layers .*got layers=False"):
-        ChunkConfig(fwd_den_pass=True)
-    with pytest.raises(TypeError, match="config.fwd_den_pass must be True or False, got 1"):
-        layers.replace(fwd_den_pass=1)
-    den_pass = layers.replace(fwd_den_pass=True)
+    layers, den_pass = checked_layers_flag("fwd_den_pass")
     q, k, v = rand_qkv(1, 21, 2, 8, 8, seed=3, device=device)
     for config in (den_pass, (layers.replace(layers=False), den_pass), (den_pass.replace(layers=False,
                                                                                          fwd_den_pass=False), den_pass)):

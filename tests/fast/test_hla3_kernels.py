@@ -8,7 +8,8 @@ import importlib
 import pytest
 
 from .helpers import (
-    HOPPER_SHARED, has_cuda_compiler, rand_gates, rand_qkv, real_calls, rel, rule_kernels_shared, torch,
+    HOPPER_SHARED, checked_layers_flag, has_cuda_compiler, rand_gates, rand_qkv, real_calls, rel, rule_kernels_shared,
+    torch,
 )
 
 import hla_fast
@@ -500,12 +501,7 @@ def test_r_and_kprime_in_one_walk(gated, save, layout, device, poison):
 
 def test_shared_walk_is_checked(device):
     """config.fwd_shared_walk needs layers, is hla3's alone, and sets both stages (not a pair)."""
-    layers = ChunkConfig(fwd_chunk=16, bwd_chunk=16, grad_parts=(7,), layers=True)
-    with pytest.raises(ValueError, match="config.fwd_shared_walk needs config.layers .*got layers=False"):
-        ChunkConfig(fwd_shared_walk=True)
-    with pytest.raises(TypeError, match="config.fwd_shared_walk must be True or False, got 1"):
-        layers.replace(fwd_shared_walk=1)
-    shared = layers.replace(fwd_shared_walk=True)
+    layers, shared = checked_layers_flag("fwd_shared_walk")
     q, k, v = rand_qkv(1, 5, 1, 8, 8, seed=3, device=device)
     with pytest.raises(ValueError, match=r"config.fwd_shared_walk must be False for hla2 \(its first-order layers "
                                          r"read different keys; only hla3's R and K' share theirs\), got True"):

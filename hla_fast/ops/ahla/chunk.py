@@ -50,7 +50,7 @@ from ..common.compile import compile_ahead, launch_kernel
 from ..common.autograd import autograd_records, kernel_backward
 from ..common.config import DEFAULT_CHUNK, ChunkConfig, refuse_layers, refuse_split_forward
 from ..common.cumsum import GateSums, sums_at
-from ..common.denominator import layer_denominator
+from ..common.denominator import carried_denominator
 from ..common.gates import log_gamma, log_gate_grad
 from ..common.normalize import with_column, with_ones
 from ..common.launch import (
@@ -257,7 +257,7 @@ def forward_layout(cfg: ChunkConfig) -> dict:
 
 def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, segments=1, prefetch=False,
                stages=1, outputs=True, normalize=False, eps=0.0, store_final=True, snapshots=None, keep_r=False,
-               second=True, v2=None, p20=None, den_in=None, launch=launch_kernel):
+               second=True, v2=None, p20=None, qp=None, launch=launch_kernel):
     """Run the forward walk (after the segment summaries and fold when ``segments > 1``).
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H], its GateSums or None; all contiguous. p0, e0: fp32
@@ -274,8 +274,10 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
     v2 (with second=False): a second value tensor [B, T, H, V2] walked beside v with the same q, k
     (``ahla_fwd_kernel``'s HAS_V2: R2 = LA(q, k, v2) from p20, fp32 [B, H, K, V2] or None); its
     programs hold all of V's columns, whatever ``block_v``.
-    den_in (with second=False, unnormalized): a denominator fp32 [B, T, H] that R is divided by
-    (+ eps) before it is stored (``ahla_fwd_kernel``'s DIVIDE; :func:`normalized_layer_fwd`).
+    qp (with second=False, unnormalized): q_t . p_c fp32 [B, T, H], the denominator's state at the
+    start of t's chunk (``common.denominator``): R is normalized as with ``normalize``, its
+    denominator formed from qp instead of a carried p, and returned in den; p_T and its snapshots are
+    not (``ahla_fwd_kernel``'s DIVIDE; :func:`normalized_layer_fwd`).
     Returns (o [B, T, H, V] or None, den [B, T, H] fp32 or None, P_T, E_T, p_T or None,
     e_T or None, (cs_p, cs_e, R or None, cs_pn or None) or None, (R2, P2_T or None, cs_p2 or None) or None;
     cs_p, cs_e [B*H, NT, K, V], cs_pn fp32 [B*H, NT, K] (a normalized first layer's))."""
@@ -287,8 +289,8 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
         raise ValueError("a second value tensor (v2) is not normalized")
     if v2 is not None and second:
         raise ValueError("a second value tensor (v2) is for the first layer alone (second=False)")
-    if den_in is not None and (second or normalize or v2 is not None):
-        raise ValueError("a given denominator (den_in) divides an unnormalized first layer alone (second=False)")
+    if qp is not None and (second or normalize or v2 is not None):
+        raise ValueError("a carried denominator (qp) is for an unnormalized first layer alone (second=False)")
     V2 = 0 if v2 is None else v2.shape[-1]
     BV = value_block(V, block_v if v2 is None else pow2_block(V), dev)
     BV2 = value_block(V2, pow2_block(V2), dev) if V2 else 16   # (16: an unused placeholder tile)
@@ -336,7 +338,8 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
                    sum_lr=sums["sum_lr"], h0_p=p20, h0_e=None, h0_pn=None, h0_en=None, seg_p=h02, seg_e=None,
                    seg_pn=None, seg_en=None, V=V2, BV=BV2, **fold)
     o = torch.empty_like(v) if (outputs and second) else None
-    den = torch.empty(B, T, H, device=dev, dtype=f32) if ((outputs or not second) and normalize) else None
+    den = torch.empty(B, T, H, device=dev, dtype=f32) if (((outputs or not second) and normalize)
+                                                           or qp is not None) else None
     ht = (None,) * 4
     if store_final:
         ht = (torch.empty(B, H, K, V, device=dev, dtype=f32),
@@ -357,7 +360,7 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
         out2 = (torch.empty_like(v2), torch.empty(B, H, K, V2, device=dev, dtype=f32) if store_final else None,
                 None if cs is None else torch.empty(BH, NT, K, V2, device=dev, dtype=snapshots))
     launch(ahla_fwd_kernel, (NV, nseg, BH),
-        q=q, k=k, v=v, gc=gc, o=o, den=den, den_in=den_in, h0_p=h0[0], h0_e=h0[1], h0_pn=h0[2], h0_en=h0[3],
+        q=q, k=k, v=v, gc=gc, o=o, den=den, qp=qp, h0_p=h0[0], h0_e=h0[1], h0_pn=h0[2], h0_en=h0[3],
         ht_p=ht[0], ht_e=ht[1], ht_pn=ht[2], ht_en=ht[3],
         cs_p=None if cs is None else cs[0], cs_e=None if cs is None else cs[1], cs_pn=None if cs is None else cs[3],
         r=r,
@@ -546,18 +549,19 @@ def normalized_layer_fwd(q, k, v, g, gamma, p0, pn0, eps, cfg: ChunkConfig, *, k
     """A normalized first-order layer, O = LA(Q, K, V) / (LA(Q, K, 1) + eps): the denominator is
     the layer on a column of ones, whose state is the vector p. In one walk (``ahla_fwd_kernel``
     without HAS_E and with NORM), or with ``cfg.fwd_den_pass`` from passes of its own parallel over
-    chunks (``common/denominator.py``) before an unnormalized walk that divides by it (DIVIDE). As
+    chunks (``common/denominator.py``: its part from before each chunk) before a walk that carries
+    no p (DIVIDE). As
     :func:`layer_fwd` with pn0 (fp32 [B, H, K] or None: p's initial state) and eps; returns (O (v's
     dtype), den [B, T, H] fp32 (without eps), P_T, p_T fp32, cs_p, cs_pn ([B*H, NT, K] fp32) or
     None)."""
     if cfg.fwd_den_pass:
         flags, lg = _common(q, gamma, g)
-        den, pT, cs_pn = layer_denominator(q, k, g, gamma, pn0, chunk=cfg.fwd_chunk, flags=flags, log_gamma=lg,
-                                           keep_starts=keep_states, launch=launch)
-        o, _, PT, _, _, _, cs, _ = fwd_launch(
-            q, k, v, g, gamma, p0, None, None, None, **forward_layout(cfg), eps=eps, den_in=den,
+        qp, pT, cs_pn = carried_denominator(q, k, g, gamma, pn0, chunk=cfg.fwd_chunk, flags=flags, log_gamma=lg,
+                                            launch=launch)
+        o, den, PT, _, _, _, cs, _ = fwd_launch(
+            q, k, v, g, gamma, p0, None, None, None, **forward_layout(cfg), eps=eps, qp=qp,
             snapshots=snapshot_dtype(cfg, q.dtype) if keep_states else None, second=False, launch=launch)
-        return o, den, PT, pT, None if cs is None else cs[0], cs_pn
+        return o, den, PT, pT, None if cs is None else cs[0], cs_pn if keep_states else None
     o, den, PT, _, pT, _, cs, _ = fwd_launch(
         q, k, v, g, gamma, p0, None, pn0, None, **forward_layout(cfg), normalize=True, eps=eps,
         snapshots=snapshot_dtype(cfg, q.dtype) if keep_states else None, second=False, launch=launch)

@@ -267,10 +267,10 @@ def _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM: tl.constexpr, 
     "SAVE_PN": lambda a: a["cs_pn"] is not None,
     "STORE_R": lambda a: a["r"] is not None,
     "STORE_FINAL": lambda a: a["ht_p"] is not None,
-    "NORM": lambda a: a["ht_pn"] is not None or a["den"] is not None,
+    "NORM": lambda a: (a["ht_pn"] is not None or a["den"] is not None) and a["qp"] is None,
     "HAS_E": lambda a: a["o"] is not None or a["ht_e"] is not None or a["cs_e"] is not None,
     "HAS_V2": lambda a: a["v2"] is not None,
-    "DIVIDE": lambda a: a["den_in"] is not None,
+    "DIVIDE": lambda a: a["qp"] is not None,
 })
 @triton.jit
 def ahla_fwd_kernel(
@@ -279,9 +279,9 @@ def ahla_fwd_kernel(
     v2, r2, h0_p2, ht_p2, cs_p2,  # HAS_V2: second values [B, T, H, V2]; out: R2 = LA(q, k, v2); P2's start
                              #   state per segment [B*H*NSEG, K, V2] (None: zero), final state [B*H, K, V2],
                              #   snapshots [B*H, NT, K, V2] (each None when not asked for); all None without
-    o, den,                  # out: o [B, T, H, V] or None; den [B, T, H] fp32 (normalize) or None
-    den_in,                  # a first layer's denominator fp32 [B, T, H] to divide R by (``common.denominator``),
-                             #   or None
+    o, den,                  # out: o [B, T, H, V] or None; den [B, T, H] fp32 (normalize, or DIVIDE) or None
+    qp,                      # DIVIDE: q_t . p_c, the denominator's state at the start of t's chunk, fp32 [B, T, H]
+                             #   (``common.denominator``); or None
     h0_p, h0_e, h0_pn, h0_en,  # start state of every segment, fp32 [B*H*NSEG, K, V] x 2, [.., K] x 2; or None
                              #   (h0_e None: zero, or not carried)
     ht_p, ht_e, ht_pn, ht_en,  # out: final state [B*H, K, V] x 2, [B*H, K] x 2; or None
@@ -308,8 +308,8 @@ def ahla_fwd_kernel(
     attention alone, R = LA(q, k, v) with state P: third order's first stage (``hla3``), HLA2's
     layers. With NORM it is normalized: R / (r_n + eps) is stored in r, r_n in den, p carried
     beside P (its chunk-start snapshots in cs_pn with SAVE_PN). DIVIDE (the first layer alone,
-    without NORM): R / (den_in + eps) is stored in r, den_in formed by passes of its own before the
-    walk (``common/denominator.py``), which then carries no p. HAS_V2
+    without NORM): the same R / (r_n + eps) in r and r_n in den, the walk carrying no p: r_n =
+    diag(g1) qp + A 1 from qp, formed before the walk (``common/denominator.py``). HAS_V2
     (without HAS_E or NORM, V in one block): also R2 = LA(q, k, v2) with state P2 (module docstring,
     "A second value tensor")."""
     # -- which piece of work this program owns ---------------------------------------------
@@ -366,8 +366,8 @@ def ahla_fwd_kernel(
             _store_start(cs_p, cs_e, cs_pn, None, i_cs, P, E, pn, en, i_v, rk, mk, rv, mv, K, V, SAVE_PN, HAS_E)
             if HAS_V2:
                 store_mat(cs_p2 + i_cs * K * V2, P2, rk, mk, rv2, mv2, V2)
-        if DIVIDE:   # read here, used at the store: its latency overlaps the chunk's products
-            b_din = tl.load(den_in + off_g + t * H, mask=mt, other=1.0)                  # [BT]
+        if DIVIDE:   # read here, used after the chunk's first products: their time covers its latency
+            b_qp = tl.load(qp + off_g + t * H, mask=mt, other=0.0)                       # q . p_c [BT]
         # -- first order: R = diag(g1) Q P0 + A V ------------------------------------------
         b_qn = _normalizer_rows(q, b_q, off_k, t, mt, rk, mk, H, K, NORM, PREFETCH)      # Q [BT, BK] fp32
         b_a, b_r, r_n = _chunk_first_order(b_q, b_kt, b_v, P, b_qn, pn, G, g1, NORM, IS_BF16, PREC)
@@ -376,8 +376,11 @@ def ahla_fwd_kernel(
                 if i_v == 0:
                     tl.store(den + off_g + t * H, r_n, mask=mt)
                 b_ro = b_r / (r_n + eps)[:, None]
-            elif DIVIDE:
-                b_ro = b_r / (b_din + eps)[:, None]
+            elif DIVIDE:   # r_n = diag(g1) Q p_c + A 1
+                b_rn = b_qp * g1 + tl.sum(b_a, axis=1)
+                if i_v == 0:
+                    tl.store(den + off_g + t * H, b_rn, mask=mt)
+                b_ro = b_r / (b_rn + eps)[:, None]
             else:
                 b_ro = b_r
             tl.store(r + off_v + t[:, None] * (H * V) + rv[None, :], b_ro.to(r.dtype.element_ty),

@@ -100,10 +100,11 @@ class ChunkConfig:
         [V | K]: each chunk's Q K^T and its reads of Q and K serve both (one program holds both
         when ``fwd_block_v`` covers V + K columns), and R's layer takes this config's layout
         (so ``hla3`` takes it as one ChunkConfig, not a pair). Needs ``layers``. HLA3 only.
-    fwd_den_pass: with ``layers``, a normalized call's outer layer takes its denominator
-        LA(Q, K', 1) from passes of its own, parallel over chunks (``common/denominator.py``), and
-        walks unnormalized, dividing each chunk's rows by it, instead of carrying the denominator's
-        state in its walk. Needs ``layers``; changes nothing unnormalized. HLA2 only.
+    fwd_den_pass: with ``layers``, a normalized call's outer layer takes the state of its
+        denominator LA(Q, K', 1) at every chunk's start, and q_t . z_c per token, from passes of
+        their own parallel over chunks (``common/denominator.py``); its walk then carries no z and
+        forms the denominator from those and its own scores. Needs ``layers``; changes nothing
+        unnormalized. HLA2 only.
     """
 
     fwd_chunk: int = 64

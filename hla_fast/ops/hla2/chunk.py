@@ -104,19 +104,19 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     layers (:func:`layers_config`) where :func:`takes_layers` says they were measured faster, else
     the fused kernels' rule (:func:`fused_config`). Normalized or not alike: the layers carry the
     denominator's state z beside W in the outer layer's walks (:class:`HLA2LayersFunction`), as the
-    fused kernels do; but a normalized forward that the layers' rule walks in chunks of 128 (an
-    inference forward of 128-wide keys) takes the denominator from passes of its own
-    (``fwd_den_pass``), walking the outer layer unnormalized in the same layout: faster than that
-    walk carrying z in chunks of 128, and than the chunks of 64 in 4-warp programs the rule took
-    before, gated or not (``hla2_h100_den_pass_layouts_k128{,_gates}.json``); at K = V = 64 and in
-    training (chunks of 64) the passes were slower (``hla2_h100_den_pass_layouts_k64.json``; the
-    numbers and the command in hla_fast/README.md, "The configuration rule"). The result is
-    immutable, so it is cached."""
+    fused kernels do; but with 128-wide key tiles the outer layer's walk takes what its
+    denominator carries from before each chunk from passes of its own (``fwd_den_pass``) instead of
+    carrying z, in the unnormalized call's layout: the inference forward (chunks of 128 in 8 warps,
+    where the walk carrying z was slower than in chunks of 64 in 4) and the gated training call were
+    faster, the ungated training call took as long (``hla2_h100_ab_den_pass_k128{,_gates}.json``);
+    at K = V = 64 both were slower (``hla2_h100_ab_den_pass_k64_unkept.json``; the numbers and the
+    command in hla_fast/README.md, "The configuration rule"). The result is immutable, so it is
+    cached."""
     wide = K > TILE_MAX   # in key blocks (normalized on [v | 1]: no NORM walks)
     if takes_layers(T, K, V, dtype, False, training):
         width = max(b - a for a, b in key_blocks(K))
         cfg = layers_config(B, T, H, width, V, dtype, device, chunk_size, training)
-        if normalize and not wide and cfg.fwd_chunk == 128:
+        if normalize and not wide and pow2_block(width) == TILE_MAX:
             cfg = cfg.replace(fwd_den_pass=True)
         return cfg
     return fused_config(B, T, H, K, V, dtype, device, chunk_size, gated, normalize, training)
@@ -868,8 +868,9 @@ class HLA2LayersFunction(torch.autograd.Function):
 
     Normalized (rate 1), the outer layer divides by its own denominator, the outer layer on a
     column of ones, LA(Q, K', 1)_t = q_t . z_t with z_t = sum_{j <= t} exp(2 (b_t - b_j)) K'_j: the
-    walk carries z beside W and forms the denominator from the chunk's A row sums
-    (``ahla.chunk.normalized_layer_fwd``); the backward takes the numerator's and the denominator's
+    walk carries z beside W, or with ``cfg.fwd_den_pass`` reads z's part from before each chunk from
+    passes of its own (``common/denominator.py``), and forms the denominator from the chunk's A
+    row sums (``ahla.chunk.normalized_layer_fwd``); the backward takes the numerator's and the denominator's
     gradients (``common.normalize``) through the same walks, the ones column as vectors
     (``ahla.chunk.normalized_layer_bwd``).
 
