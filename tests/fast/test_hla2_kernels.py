@@ -665,8 +665,8 @@ def test_denominator_passes_are_the_sums(T, K, chunk_rows, decay, init, device, 
     gamma = 0.9 if decay == "gamma" else None
     p0 = torch.rand(B, H, K, generator=torch.Generator().manual_seed(5)).to(device) if init else None
     lg = 0.0 if gamma is None else float(torch.log(torch.tensor(gamma, dtype=torch.float64)))
-    qp, pT, starts = denominator.carried_denominator(q, k, g, gamma, p0, chunk=chunk_rows, flags={
-        "HAS_DECAY": decay != "none"}, log_gamma=lg, launch=launch_kernel)
+    qp, pT, starts = denominator.carried_denominator(q, k, g, p0, chunk=chunk_rows, has_decay=decay != "none",
+                                                     log_gamma=lg, launch=launch_kernel)
     if g is not None:
         b = g.double().cpu().cumsum(1)
     else:
@@ -692,8 +692,7 @@ def test_den_pass_config_is_checked(device):
     refused by hla3 (one config or either of a pair); unnormalized it changes nothing."""
     layers, den_pass = checked_layers_flag("fwd_den_pass")
     q, k, v = rand_qkv(1, 21, 2, 8, 8, seed=3, device=device)
-    for config in (den_pass, (layers.replace(layers=False), den_pass), (den_pass.replace(layers=False,
-                                                                                         fwd_den_pass=False), den_pass)):
+    for config in (den_pass, (layers.replace(layers=False), den_pass), (den_pass, layers)):
         with pytest.raises(ValueError, match=r"config.fwd_den_pass must be False for hla3 \(only hla2's normalized"):
             hla_fast.hla3(q, k, v, gamma=0.9, backend="triton", config=config)
     with pytest.raises(ValueError, match="config.layers must be False for ahla"):

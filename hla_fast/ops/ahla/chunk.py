@@ -556,8 +556,8 @@ def normalized_layer_fwd(q, k, v, g, gamma, p0, pn0, eps, cfg: ChunkConfig, *, k
     None)."""
     if cfg.fwd_den_pass:
         flags, lg = _common(q, gamma, g)
-        qp, pT, cs_pn = carried_denominator(q, k, g, gamma, pn0, chunk=cfg.fwd_chunk, flags=flags, log_gamma=lg,
-                                            launch=launch)
+        qp, pT, cs_pn = carried_denominator(q, k, g, pn0, chunk=cfg.fwd_chunk, has_decay=flags["HAS_DECAY"],
+                                            log_gamma=lg, launch=launch)
         o, den, PT, _, _, _, cs, _ = fwd_launch(
             q, k, v, g, gamma, p0, None, None, None, **forward_layout(cfg), eps=eps, qp=qp,
             snapshots=snapshot_dtype(cfg, q.dtype) if keep_states else None, second=False, launch=launch)

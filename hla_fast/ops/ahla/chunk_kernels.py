@@ -107,16 +107,17 @@ import triton
 import triton.language as tl
 
 from ..common.tiles import (
-    cast, chunk_decays_t, decays_with_total, dot, first_walk_sums, load_cols, load_mat, load_mat_t, load_rows,
-    load_vec, mat_or_zeros, read_cols, read_rows, store_mat, summed_beta, sums_offset, vec_or_zeros, walk_factors,
+    cast, chunk_decays_t, decays_with_total, dot, first_walk_sums, head_row, load_cols, load_mat, load_mat_t,
+    load_rows, load_vec, mat_or_zeros, read_cols, read_rows, store_mat, summed_beta, sums_offset, vec_or_zeros,
+    walk_factors,
 )
 
 
 @triton.jit
 def _head_offsets(i_bh, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
     """Offsets of head i_bh's first element in [B, T, H, K], [.., V] and [B, T, H] tensors
-    (64-bit: B*T*H*K can pass 2^31)."""
-    row = (i_bh // H).to(tl.int64) * T * H + i_bh % H
+    (64-bit, ``head_row``)."""
+    row = head_row(i_bh, T, H)
     return row * K, row * V, row
 
 
@@ -371,16 +372,13 @@ def ahla_fwd_kernel(
         # -- first order: R = diag(g1) Q P0 + A V ------------------------------------------
         b_qn = _normalizer_rows(q, b_q, off_k, t, mt, rk, mk, H, K, NORM, PREFETCH)      # Q [BT, BK] fp32
         b_a, b_r, r_n = _chunk_first_order(b_q, b_kt, b_v, P, b_qn, pn, G, g1, NORM, IS_BF16, PREC)
+        if DIVIDE:   # r_n = diag(g1) Q p_c + A 1, as NORM's from a carried p
+            r_n = b_qp * g1 + tl.sum(b_a, axis=1)
         if STORE_R:
-            if NORM and not HAS_E:   # a normalized first-order layer: R / (r_n + eps), r_n its denominator
+            if (NORM and not HAS_E) or DIVIDE:   # a normalized first-order layer: R / (r_n + eps), r_n its denominator
                 if i_v == 0:
                     tl.store(den + off_g + t * H, r_n, mask=mt)
                 b_ro = b_r / (r_n + eps)[:, None]
-            elif DIVIDE:   # r_n = diag(g1) Q p_c + A 1
-                b_rn = b_qp * g1 + tl.sum(b_a, axis=1)
-                if i_v == 0:
-                    tl.store(den + off_g + t * H, b_rn, mask=mt)
-                b_ro = b_r / (b_rn + eps)[:, None]
             else:
                 b_ro = b_r
             tl.store(r + off_v + t[:, None] * (H * V) + rv[None, :], b_ro.to(r.dtype.element_ty),

@@ -35,20 +35,13 @@ import triton.language as tl
 
 from .cumsum import sums_at
 from .launch import cdiv, min_key_block, pow2_block
-from .tiles import decays_with_total, read_rows, summed_beta, sums_offset, vec_or_zeros
+from .tiles import decays_with_total, head_row, read_rows, summed_beta, sums_offset, vec_or_zeros
 
 # rows a query program reads (at most the chunk)
 QUERY_ROWS = 64
 # chunks and features a scan program holds at once ([SCAN_CHUNKS, SCAN_FEATURES] fp32)
 SCAN_CHUNKS = 32
 SCAN_FEATURES = 32
-
-
-@triton.jit
-def _head_rows(i_bh, T, H: tl.constexpr, K: tl.constexpr):
-    """Offsets of head i_bh's first element in [B, T, H, K] and [B, T, H] tensors (64-bit)."""
-    row = (i_bh // H).to(tl.int64) * T * H + i_bh % H
-    return row * K, row
 
 
 @triton.heuristics({
@@ -65,7 +58,7 @@ def den_chunk_sums_kernel(
     """Pass 1: one program per (chunk, batch*head) stores its chunk's s_c [K] and gC."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     NT = tl.cdiv(T, BT)
-    off_k, _ = _head_rows(i_bh, T, H, K)
+    off_k = head_row(i_bh, T, H) * K
     rt = tl.arange(0, BT)
     rk = tl.arange(0, BK)
     mk = rk < K
@@ -133,7 +126,8 @@ def den_query_kernel(
     every row of the block reads the same chunk-start p."""
     i_r, i_bh = tl.program_id(0), tl.program_id(1)
     NT = tl.cdiv(T, BT)
-    off_k, off_g = _head_rows(i_bh, T, H, K)
+    off_g = head_row(i_bh, T, H)
+    off_k = off_g * K
     rk = tl.arange(0, BK)
     mk = rk < K
     t = i_r * BR + tl.arange(0, BR)
@@ -143,13 +137,13 @@ def den_query_kernel(
     tl.store(qp + off_g + t * H, tl.sum(b_q * b_p[None, :], axis=1), mask=mt)
 
 
-def carried_denominator(q, k, g, gamma, p0, *, chunk: int, flags: dict, log_gamma: float, launch):
+def carried_denominator(q, k, g, p0, *, chunk: int, has_decay: bool, log_gamma: float, launch):
     """What a normalized first-order layer's walk needs of its denominator from before each chunk
     (the module docstring): q_t . p_c for every token, p's final state and its chunk-start states.
 
-    q, k: [B, T, H, K] (contiguous); g: [B, T, H], its GateSums or None; gamma: a float or None (its
-    log is ``log_gamma``); p0: fp32 [B, H, K] or None (zeros); chunk: the walk's rows per chunk;
-    flags: the launch's HAS_DECAY. Returns (q_t . p_c fp32 [B, T, H], p_T fp32 [B, H, K], p at
+    q, k: [B, T, H, K] (contiguous); g: [B, T, H], its GateSums or None; p0: fp32 [B, H, K] or None
+    (zeros); chunk: the walk's rows per chunk; has_decay, log_gamma: the walk's HAS_DECAY and
+    log(gamma) (0 with g). Returns (q_t . p_c fp32 [B, T, H], p_T fp32 [B, H, K], p at
     every chunk's start fp32 [B*H, NT, K])."""
     B, T, H, K = q.shape
     BH, dev, f32 = B * H, q.device, torch.float32
@@ -159,7 +153,7 @@ def carried_denominator(q, k, g, gamma, p0, *, chunk: int, flags: dict, log_gamm
     sums = torch.empty(BH, NT, K, device=dev, dtype=f32)
     decay = torch.empty(BH, NT, device=dev, dtype=f32)
     launch(den_chunk_sums_kernel, (NT, BH), k=k, gc=gc, sums=sums, decay=decay, log_gamma=log_gamma, T=T, H=H,
-           K=K, BT=chunk, BK=BK, HAS_DECAY=flags["HAS_DECAY"], num_warps=4 if chunk * BK <= 64 * 128 else 8)
+           K=K, BT=chunk, BK=BK, HAS_DECAY=has_decay, num_warps=4 if chunk * BK <= 64 * 128 else 8)
     starts = torch.empty(BH, NT, K, device=dev, dtype=f32)
     final = torch.empty(B, H, K, device=dev, dtype=f32)
     BF = min(BK, SCAN_FEATURES)

@@ -255,6 +255,13 @@ def decays_with_total(beta, bL, mt, BT: tl.constexpr, HAS_DECAY: tl.constexpr):
 
 
 @triton.jit
+def head_row(i_bh, T, H: tl.constexpr):
+    """Row of head i_bh's first token in a [B, T, H, ..] tensor seen as [B*T*H, ..] rows, 64-bit
+    (B*T*H*K can pass 2^31): its offset in a [B, T, H] tensor, and times C in a [B, T, H, C] one."""
+    return (i_bh // H).to(tl.int64) * T * H + i_bh % H
+
+
+@triton.jit
 def sums_offset(i_bh, NT, BT: tl.constexpr):
     """Head i_bh's first element in the stored chunk-local sums (``cumsum.py``: gc fp32
     [B*H, NT*BT], each head's row padded to whole chunks; 64-bit)."""

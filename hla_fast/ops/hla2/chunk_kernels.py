@@ -55,8 +55,8 @@ import triton
 import triton.language as tl
 
 from ..common.tiles import (
-    cast, chunk_factors, dot, held_decays, ipow, load_cols, load_mat, load_mat_t, load_rows, load_vec, mat_or_zeros,
-    read_rows, store_mat, vec_or_zeros,
+    cast, chunk_factors, dot, head_row, held_decays, ipow, load_cols, load_mat, load_mat_t, load_rows, load_vec,
+    mat_or_zeros, read_rows, store_mat, vec_or_zeros,
 )
 
 # ============================================================================ forward: one chunk
@@ -185,8 +185,8 @@ def _feature_ranges(i_v, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr, BK:
 @triton.jit
 def _head_offsets(i_bh, T, H: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, V: tl.constexpr):
     """Offsets of head i_bh's first element in [B, T, H, K], [.., K2], [.., V] and [B, T, H]
-    tensors (64-bit: B*T*H*K can pass 2^31)."""
-    row = (i_bh // H).to(tl.int64) * T * H + i_bh % H
+    tensors (64-bit, ``head_row``)."""
+    row = head_row(i_bh, T, H)
     return row * K, row * K2, row * V, row
 
 
@@ -681,7 +681,7 @@ def hla2_bwd_ones_kernel(
     chunk for the ones column (plain operator, q2 = q), every chunk at once and in fp32."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     NT = tl.cdiv(T, BT)
-    row = (i_bh // H).to(tl.int64) * T * H + i_bh % H
+    row = head_row(i_bh, T, H)
     t = i_c * BT + tl.arange(0, BT)
     mt = t < T
     rk = tl.arange(0, BK)
