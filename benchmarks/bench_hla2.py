@@ -175,14 +175,14 @@ def loop_ms(fn, n=50, reps=5):
 
 
 def host_us(fn, n=200):
-    """Median microseconds from calling fn() to its return, without synchronizing: the host's
-    work per call (checks, config, allocations, launches; backward() returns once autograd has
-    queued its kernels). The GPU is drained every 16 calls, outside the timed part, so the launch
-    queue never fills and blocks a call."""
+    """Median microseconds of n calls from calling fn() to its return, without synchronizing: the
+    host's work per call (checks, config, allocations, launches; backward() returns once autograd
+    has queued its kernels). The GPU is drained every 16 calls, outside the timed part, so the
+    launch queue never fills and blocks a call."""
     fn()
     sync()
     times = []
-    for i in range(n if CUDA else 2):
+    for i in range(n):
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e6)
@@ -1105,7 +1105,7 @@ def main():
         for name, fn in (("hla_fast", hla), ("sdpa", sdpa)):
             x = {}
             for s, run in (("fwd", fwd_only(fn, (q, k, v))), ("fwdbwd", fwd_bwd(fn, (q, k, v), do))):
-                x[f"{s}_host_us"] = host_us(run)
+                x[f"{s}_host_us"] = host_us(run, n=200 if CUDA else 2)
                 x[f"{s}_loop_us"] = loop_ms(run, n=200, reps=3) * 1e3
             host[name] = x
         row["host"] = host

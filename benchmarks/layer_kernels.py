@@ -13,7 +13,6 @@ recorded with its error.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import math
 import os
@@ -27,7 +26,7 @@ for _p in (ROOT, os.path.join(ROOT, "benchmarks")):   # hla_fast, and records be
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from records import render_stored, write_record  # noqa: E402
+from records import record_parser, render_stored, write_record  # noqa: E402
 
 B, H, BT, GAMMA = 4, 16, 64, 0.999
 WALKS = [(bk, w, s) for bk in (32, 64, 128) for w in (2, 4, 8) for s in (1, 2, 3)]
@@ -87,13 +86,9 @@ def render_markdown(res):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
-    ap.add_argument("--tag", default="h200_layers_kernels", help="files ahla_<tag>.json and ahla_<tag>.md")
+    ap = record_parser(__doc__, "ahla", "h200_layers_kernels")
     ap.add_argument("--dim", type=int, default=128, help="K = V")
     ap.add_argument("--T", type=int, default=32768)
-    ap.add_argument("--render", default=None, help="only write the markdown beside this recorded JSON")
     args = ap.parse_args()
     if args.render:
         render_stored(args.render, render_markdown)

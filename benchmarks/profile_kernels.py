@@ -16,11 +16,8 @@ casts, fills) under theirs.
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
-import platform
 import sys
 import time
 
@@ -32,7 +29,7 @@ for p in (ROOT, os.path.join(ROOT, "benchmarks")):
         sys.path.insert(0, p)
 
 from config_arg import HELP, config_changes  # noqa: E402
-from records import render_stored, write_record  # noqa: E402
+from records import record_parser, render_stored, stamp, write_record  # noqa: E402
 
 CASES = "ahla:128:32768,ahla:64:32768,hla3:64:32768,hla3:128:8192,hla2:128:32768,hla2:64:32768"
 CALLS = 3
@@ -50,6 +47,17 @@ def parse_cases(text):
                              f"ahla, hla3, got {item!r}")
         out.append((parts[0], int(parts[1]), int(parts[2]), "g" in flags, "n" in flags))
     return out
+
+
+def checked_cases(ap, text):
+    """parse_cases(text), or the command line's error naming --cases."""
+    try:
+        return parse_cases(text)
+    except ValueError as e:
+        ap.error(str(e))
+
+
+CASES_HELP = "comma list of op:K:T or op:K:T:FLAGS (g, n or gn)"
 
 
 def profile_case(op, D, T, gated=False, changes=None, normalize=False, forward=False):
@@ -125,29 +133,18 @@ def render_markdown(res):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
-    ap.add_argument("--tag", default="h200", help="files kernels_<tag>.json and kernels_<tag>.md")
-    ap.add_argument("--cases", default=CASES, help="comma list of op:K:T or op:K:T:FLAGS (g, n or gn)")
-    ap.add_argument("--render", default=None, help="only write the markdown beside this recorded JSON")
+    ap = record_parser(__doc__, "kernels", "h200")
+    ap.add_argument("--cases", default=CASES, help=CASES_HELP)
     ap.add_argument("--config", type=config_changes, default=None, help=HELP + " (every case)")
     ap.add_argument("--forward", action="store_true", help="profile inference forwards instead")
     args = ap.parse_args()
     if args.render:
         render_stored(args.render, render_markdown)
         return
-    try:
-        cases = parse_cases(args.cases)
-    except ValueError as e:
-        ap.error(str(e))
+    cases = checked_cases(ap, args.cases)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device (kernel times come from the CUDA profiler)")
-    import triton
-    res = {"device": torch.cuda.get_device_name(0),
-           "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()},
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "cases": [],
-           "forward": args.forward,
+    res = {**stamp(torch.cuda.get_device_name(0)), "cases": [], "forward": args.forward,
            **({"config": args.config} if args.config else {})}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"kernels_{args.tag}")

@@ -1,10 +1,12 @@
 """Writing a benchmark's record: its results as ``<base>.json`` and their markdown as ``<base>.md``,
+the command line every recording script starts from (:func:`record_parser`),
 the markdown always rendered from the same results (``tests/test_benchmarks.py`` renders every
 stored JSON and compares), and the markdown again from a stored JSON (a script's ``--render``);
 the relative error every record's accuracy columns report (:func:`rel_error`); and an error's
 text as a record keeps it, without the directories of the machine that ran it (:func:`portable`)."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -13,6 +15,31 @@ import tempfile
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def record_parser(doc: str, stem: str, tag: str) -> argparse.ArgumentParser:
+    """A script's command line with the options every record shares: its docstring as the help,
+    ``--out`` (the folder, ``benchmarks/results``), ``--tag`` (the files ``<stem>_<tag>.json`` and
+    ``.md``; ``tag`` the default) and ``--render`` (only the markdown beside a stored JSON)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=doc)
+    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
+    ap.add_argument("--tag", default=tag, help=f"files {stem}_<tag>.json and {stem}_<tag>.md")
+    ap.add_argument("--render", default=None, help="only write the markdown beside this recorded JSON")
+    return ap
+
+
+def stamp(device: str) -> dict:
+    """What every record names first: the device, the versions (torch, triton, python) and the
+    date (UTC, to the second)."""
+    import datetime
+    import platform
+
+    import triton
+
+    return {"device": device,
+            "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()},
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 def write_record(base, res, render):

@@ -406,3 +406,39 @@ def test_a_failed_runs_text_names_no_directory_of_the_machine(tmp_path, monkeypa
                    f'cache .triton/cache/abc\nscratch {os.path.relpath(tmp_path, records.tempfile.gettempdir())}/x.json\n')
     for d in (records.REPO, str(site), home, str(tmp_path)):
         assert d not in got
+
+
+def test_host_work_splits_a_call_and_renders_its_record(tmp_path):
+    """benchmarks/host_work.py on a CPU: the operator's own host work (a launch that launches
+    nothing), then with --all-parts under the interpreter the public call and each launch replayed;
+    the markdown is rendered from the JSON; bad arguments are refused."""
+    script = os.path.join(ROOT, "benchmarks", "host_work.py")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, script, "--out", str(tmp_path), "--tag", "t", "--calls", "1",
+                          "--cases", "hla2:16:16:g", "--all-parts"], capture_output=True, text=True, timeout=600,
+                         cwd=ROOT, env=env)
+    assert run.returncode == 0, run.stderr
+    res = json.loads((tmp_path / "host_work_t.json").read_text())
+    (case,) = res["cases"]
+    assert (case["op"], case["K"], case["T"], case["gated"], case["normalize"]) == ("hla2", 16, 16, True, False)
+    fwd, fb = case["fwd"], case["fwdbwd"]
+    assert [n for n, _ in fwd["launches_us"]] == ["hla2_fwd_kernel"]
+    assert len(fb["launches_us"]) > len(fwd["launches_us"])
+    for r in (fwd, fb):
+        assert r["own_us"] > 0 and r["call_us"] > 0 and all(us > 0 for _, us in r["launches_us"])
+        assert r["rest_us"] == pytest.approx(r["call_us"] - r["own_us"] - sum(us for _, us in r["launches_us"]))
+        assert r["profile"] and all(us >= 0 for _, us in r["profile"])
+    hw = load("host_work")
+    assert (tmp_path / "host_work_t.md").read_text() == hw.render_markdown(res)
+    assert "| hla2:16:16:g | fwdbwd |" in hw.render_markdown(res)
+    plain = subprocess.run([sys.executable, script, "--out", str(tmp_path), "--tag", "c", "--calls", "2",
+                            "--cases", "ahla:16:16:n"], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                           env=dict(env, TRITON_INTERPRET="0"))
+    assert plain.returncode == 0, plain.stderr
+    (case,) = json.loads((tmp_path / "host_work_c.json").read_text())["cases"]
+    assert case["fwd"]["own_us"] > 0 and case["fwdbwd"]["call_us"] is None and case["fwd"]["launches_us"] is None
+    for args, msg in ((["--calls", "0"], "--calls must be >= 1"), (["--cases", "hla2:16"], "--cases: expected"),
+                      (["--all-parts"], "set TRITON_INTERPRET=1")):
+        bad = subprocess.run([sys.executable, script, "--out", str(tmp_path), *args], capture_output=True, text=True,
+                             timeout=300, cwd=ROOT, env=dict(env, TRITON_INTERPRET="0"))
+        assert bad.returncode == 2 and msg in bad.stderr

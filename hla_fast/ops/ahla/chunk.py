@@ -51,7 +51,7 @@ from ..common.autograd import autograd_records, kernel_backward
 from ..common.config import DEFAULT_CHUNK, ChunkConfig, refuse_layers, refuse_split_forward
 from ..common.cumsum import GateSums, sums_at
 from ..common.denominator import carried_denominator
-from ..common.gates import log_gamma, log_gate_grad
+from ..common.gates import log_gamma, log_gate_grad, summed_shares
 from ..common.normalize import with_column, with_ones
 from ..common.launch import (
     backward_pieces, bf16_dots, cdiv, dot_precision, min_key_block, min_value_block, one_wave_segments, pow2_block,
@@ -445,9 +445,7 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
                 KEYS_PER_BLOCK=grad_keys_per_block(NV, BK, q.dtype), **dict(common, PREC=grad_precision(q.dtype)))
 
     run_pieces(starts, NP, NT, de, dh0, pair, step)
-    if db is not None:
-        db = db[0] if len(cfg.grad_parts) == 1 else db.sum(0)
-    return dq, dk, dv, dh0[0], dh0[1], db
+    return dq, dk, dv, dh0[0], dh0[1], summed_shares(db)
 
 
 def _bwd_layers(q, k, v, do, g, gamma, p0, dht_p, dht_e, cfg: ChunkConfig, states, want_db, launch):

@@ -103,6 +103,15 @@ def reverse_cumsum(db: torch.Tensor, dim: int = 1) -> torch.Tensor:
     return x.movedim(-1, dim).contiguous()
 
 
+def summed_shares(db: torch.Tensor | None) -> torch.Tensor | None:
+    """dL/db [B, T, H] from the gradient launches' shares [P, B, T, H] (one a launch, each adding
+    the terms of the gradients it computes); the one share itself, without a sum's kernel, when a
+    single launch computed every gradient. None stays None."""
+    if db is None:
+        return None
+    return db[0] if db.shape[0] == 1 else db.sum(0)
+
+
 def log_gate_grad(db: torch.Tensor, finals, dtype: torch.dtype) -> torch.Tensor:
     """dL/dg from dL/db [B, T, H] fp32 (the gradient through the outputs' weights): the final
     states' share added at the last token, then :func:`reverse_cumsum`, in ``dtype``.

@@ -51,7 +51,7 @@ from ..ahla.chunk import ahla_config, layer_bwd, layer_fwd, normalized_layer_bwd
 from ..common.autograd import autograd_records, kernel_backward
 from ..common.config import DEFAULT_CHUNK, ChunkConfig, chunk_or_default, refuse_ahla_fields, refuse_shared_walk
 from ..common.cumsum import GateSums
-from ..common.gates import log_gamma, log_gate_grad
+from ..common.gates import log_gamma, log_gate_grad, summed_shares
 from ..common.launch import (
     backward_pieces, bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments,
     pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
@@ -587,7 +587,7 @@ def bwd_launch(q, k, v, do, g, gamma, s0, w0, dht_s, dht_w, cfg: ChunkConfig, *,
 
     run_pieces(starts, NP, NT, de, walk_dh0, pair, step)
     return (dq, dk, dq2 if cross else None, dk2 if cross else None, dv, dh0[0], dh0[1],
-            None if db is None else db.sum(0), dh0[2])
+            summed_shares(db), dh0[2])
 
 
 class HLA2ChunkFunction(torch.autograd.Function):

@@ -1,0 +1,239 @@
+"""Where the host's time in one short call goes: the operator's own host code, each Triton launch,
+and the rest of the public call.
+
+At short sequences a call's time is set by the host, not the GPU (hla_fast/README.md, the
+short-sequence target): the bench's host table gives the whole call's microseconds; this script
+splits them. For each case ``op:K:T`` (``:g`` log-gates that require grad, ``:n`` normalize=True,
+``:gn`` both; K = V, bf16 on CUDA, B = 1, H = 16, gamma = 0.999 without gates, the default
+configuration) and each pass (an inference forward under no_grad; a forward + backward on leaves
+that require grad), medians over ``--calls`` calls, no synchronize inside a timing (the GPU is
+drained every 16 calls, outside the timed part):
+
+* call: the public call, ``hla_fast.<op>(..., backend="triton")`` (CUDA only);
+* own: the operator's chunked function (``hla2_chunked``, ``ahla_chunked``, ``hla3_chunked``) with a
+  ``launch`` that launches nothing: the configuration rule, allocations, the autograd Function,
+  without Triton;
+* launches: each kernel the call launches, replayed alone as ``kernel[grid](**arguments)`` with the
+  call's own arguments (Triton's launcher: heuristics, argument binding and specialization, the
+  cache lookup, the driver call; CUDA only);
+* rest: call - own - the launches (the public function's checks, ``compile_ahead``'s lookup, the
+  difference of timing pieces apart);
+* a cProfile of ``--calls`` public calls (on CPU: of the chunked calls), the functions with the most
+  own time, microseconds per call.
+
+    python benchmarks/host_work.py --tag h100                           # the recorded run (a GPU)
+    python benchmarks/host_work.py --cases hla2:64:1024,ahla:64:1024:g --tag x
+    python benchmarks/host_work.py --render benchmarks/results/host_work_h100.json
+
+Without CUDA only ``own`` and the profile of the chunked calls are measured (bf16 CPU tensors, so
+that the rule takes its bf16 layouts; the allocations are the CPU's), which is enough to see what
+the operator's own host code costs. ``--all-parts`` under ``TRITON_INTERPRET=1`` runs the other
+parts on a CPU too: that checks the script, not a host's time.
+"""
+from __future__ import annotations
+
+import cProfile
+import os
+import platform
+import pstats
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for p in (ROOT, os.path.join(ROOT, "benchmarks")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+from bench_hla2 import CUDA, DEVICE, host_us, sync  # noqa: E402
+from profile_kernels import CASES_HELP, checked_cases  # noqa: E402
+from records import portable, record_parser, render_stored, stamp, write_record  # noqa: E402
+
+CASES = "hla2:64:1024,hla2:64:1024:g,hla2:64:1024:n,ahla:64:1024,hla3:64:1024"
+B, H = 1, 16
+GAMMA = 0.999
+TOP = 15   # profile rows kept per pass
+
+
+def kernel_name(kernel) -> str:
+    """The Python name of a launched kernel (through ``triton.heuristics``' wrapper)."""
+    while hasattr(kernel, "fn"):
+        kernel = kernel.fn
+    return kernel.__name__
+
+
+def nothing(kernel, grid, **kwargs):
+    """A ``launch`` that launches nothing."""
+
+
+class Keeper:
+    """A ``launch`` that keeps ``(kernel, grid, arguments)`` with the real tensors and launches
+    nothing: the launches to replay one by one."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __call__(self, kernel, grid, **kwargs):
+        self.launches.append((kernel, grid, kwargs))
+
+
+def chunked(op):
+    """``fn(q, k, v, g, gamma, normalize, launch)``: the operator's chunked function from a zero
+    state with the rule's configuration (the public call's path after its checks)."""
+    if op == "hla2":
+        from hla_fast.ops.hla2.chunk import hla2_chunked
+        return lambda q, k, v, g, gamma, n, launch: hla2_chunked(q, k, v, g, gamma, None, None, None, n, 1e-6,
+                                                                 launch=launch)[0]
+    if op == "ahla":
+        from hla_fast.ops.ahla.chunk import ahla_chunked
+        return lambda q, k, v, g, gamma, n, launch: ahla_chunked(q, k, v, g, gamma, None, None, None, None, n,
+                                                                 1e-6, launch=launch)[0]
+    from hla_fast.ops.hla3.chunk import hla3_chunked
+    return lambda q, k, v, g, gamma, n, launch: hla3_chunked(q, k, v, g, gamma, None, n, 1e-6, launch=launch)[0]
+
+
+def inputs(D, T, gated, normalize, grad):
+    """(q, k, v, g or None, gamma or None, do): bf16 (on CPU too, so that the rule picks the
+    layout it picks on CUDA), leaves that require grad when ``grad``; |q|, |k| when normalizing (a
+    positive denominator)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    dtype = torch.bfloat16
+    q, k = ((torch.randn(B, T, H, D, device=DEVICE, generator=gen) * 0.3) for _ in range(2))
+    if normalize:
+        q, k = q.abs(), k.abs()
+    v, do = (torch.randn(B, T, H, D, device=DEVICE, generator=gen) for _ in range(2))
+    q, k, v, do = (x.to(dtype) for x in (q, k, v, do))
+    g = -0.001 * torch.rand(B, T, H, device=DEVICE, generator=gen) if gated else None
+    leaves = [x.requires_grad_(grad) if x is not None else None for x in (q, k, v, g)]
+    return (*leaves, None if gated else GAMMA, do)
+
+
+def _pass(fn, leaves, do, grad):
+    """A closure running one call: under no_grad, or forward + backward (fresh gradients)."""
+    def run():
+        if not grad:
+            with torch.no_grad():
+                fn()
+            return
+        for x in leaves:
+            if x is not None:
+                x.grad = None
+        fn().backward(do)
+
+    return run
+
+
+def profile_rows(run, calls):
+    """[(function, us per call)] of the TOP functions by own time over ``calls`` calls."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(calls):
+        run()
+        if i % 16 == 15:   # as host_us: the launch queue never blocks a call
+            sync()
+    prof.disable()
+    sync()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(((tt, f) for f, (_, _, tt, _, _) in stats.items()), reverse=True)[:TOP]
+    return [[portable(f"{file}:{line}({name})"), tt / calls * 1e6] for tt, (file, line, name) in rows]
+
+
+def measure_case(op, D, T, gated, normalize, calls, all_parts=CUDA):
+    """One case's record: for each pass its call, own, launches and rest microseconds and its
+    profile rows (call, launches and rest None unless ``all_parts``)."""
+    import hla_fast
+
+    out = {"op": op, "K": D, "V": D, "T": T, "B": B, "H": H, "gated": gated, "normalize": normalize}
+    run_chunked = chunked(op)
+    for name, grad in (("fwd", False), ("fwdbwd", True)):
+        q, k, v, g, gamma, do = inputs(D, T, gated, normalize, grad)
+        leaves = (q, k, v, g)
+        own = _pass(lambda: run_chunked(q, k, v, g, gamma, normalize, nothing), leaves, do, grad)
+        row = {"own_us": host_us(own, calls), "call_us": None, "launches_us": None, "rest_us": None}
+        if all_parts:
+            decay = {"g": g} if gated else {"gamma": gamma}
+            call = _pass(lambda: getattr(hla_fast, op)(q, k, v, normalize=normalize, backend="triton", **decay)[0],
+                         leaves, do, grad)
+            row["call_us"] = host_us(call, calls)
+            keep = Keeper()
+            _pass(lambda: run_chunked(q, k, v, g, gamma, normalize, keep), leaves, do, grad)()
+            row["launches_us"] = [[kernel_name(kern), host_us(lambda: kern[grid](**kw), calls)]
+                                  for kern, grid, kw in keep.launches]
+            row["rest_us"] = row["call_us"] - row["own_us"] - sum(us for _, us in row["launches_us"])
+            row["profile"] = profile_rows(call, calls)
+        else:
+            row["profile"] = profile_rows(own, calls)
+        out[name] = row
+    return out
+
+
+def _us(x):
+    return "-" if x is None else f"{x:.0f}"
+
+
+def render_markdown(res):
+    v = res.get("versions", {})
+    lines = [f"# Host work of one short call on {res['device']}", "",
+             f"Date {res['date']}; torch {v.get('torch')}, triton {v.get('triton')}, python {v.get('python')}; "
+             f"{res['dtype']}, B = {B}, H = {H}, the default configuration, gamma = {GAMMA} without gates; "
+             f"medians of {res['calls']} calls, microseconds from the call to its return without a "
+             "synchronize (`benchmarks/host_work.py`).", "",
+             "call: the public call. own: the operator's chunked function with a launch that launches "
+             "nothing (the rule, allocations, autograd). launches: each kernel replayed alone with the "
+             "call's arguments (Triton's launcher). rest: call - own - launches (the checks, the "
+             "compile-ahead lookup).", ""]
+    if res.get("notes"):
+        lines += [f"- {n}" for n in res["notes"]] + [""]
+    lines += ["| case | pass | call | own | launches | rest |", "|---|---|---|---|---|---|"]
+    for c in res["cases"]:
+        flags = (":g" if c["gated"] else "") + (":n" if c["normalize"] else "")
+        for p in ("fwd", "fwdbwd"):
+            r = c[p]
+            ls = r["launches_us"]
+            launches = "-" if ls is None else f"{sum(us for _, us in ls):.0f} ({len(ls)})"
+            lines.append(f"| {c['op']}:{c['K']}:{c['T']}{flags} | {p} | {_us(r['call_us'])} | {_us(r['own_us'])} "
+                         f"| {launches} | {_us(r['rest_us'])} |")
+    lines.append("")
+    for c in res["cases"]:
+        flags = (", gates g" if c["gated"] else "") + (", normalized" if c["normalize"] else "")
+        for p in ("fwd", "fwdbwd"):
+            r = c[p]
+            lines += [f"## {c['op']}{flags}, K = V = {c['K']}, T = {c['T']}, {p}", ""]
+            if r["launches_us"] is not None:
+                lines += ["| kernel | launch us |", "|---|---|"]
+                lines += [f"| `{n}` | {us:.1f} |" for n, us in r["launches_us"]] + [""]
+            lines += [f"Own time per call, the {TOP} largest (cProfile; its overhead inflates every row):", "",
+                      "| function | us |", "|---|---|"]
+            lines += [f"| `{f}` | {us:.1f} |" for f, us in r["profile"]] + [""]
+    return "\n".join(lines)
+
+
+def main():
+    ap = record_parser(__doc__, "host_work", "h100")
+    ap.add_argument("--cases", default=CASES, help=CASES_HELP)
+    ap.add_argument("--calls", type=int, default=200, help="calls a median is taken over (>= 1)")
+    ap.add_argument("--all-parts", action="store_true",
+                    help="time the public call and each launch off CUDA too (needs TRITON_INTERPRET=1)")
+    args = ap.parse_args()
+    if args.render:
+        render_stored(args.render, render_markdown)
+        return
+    cases = checked_cases(ap, args.cases)
+    if args.calls < 1:
+        ap.error(f"--calls must be >= 1, got {args.calls}")
+    from hla_fast.ops.common.launch import interpreter_on
+    if args.all_parts and not CUDA and not interpreter_on():
+        ap.error("--all-parts off CUDA runs the kernels on Triton's interpreter: set TRITON_INTERPRET=1")
+    device = torch.cuda.get_device_name(0) if CUDA else f"CPU ({platform.processor() or platform.machine()})"
+    res = {**stamp(device), "dtype": "bfloat16", "calls": args.calls, "cases": []}
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"host_work_{args.tag}")
+    for op, D, T, gated, normalize in cases:
+        res["cases"].append(measure_case(op, D, T, gated, normalize, args.calls, CUDA or args.all_parts))
+        write_record(path, res, render_markdown)
+        print(f"{op} K={D} T={T} gated={gated} normalize={normalize}: done", flush=True)
+    print(f"wrote {path}.json and {path}.md")
+
+
+if __name__ == "__main__":
+    main()
