@@ -34,7 +34,9 @@ product of its tokens' factors, and the chunked forms only ever exponentiate sum
 so a gate near 0 (down to the smallest positive float64) cannot overflow. A constant gamma is
 b_t = (t + 1) log gamma, and an array filled with gamma gives the float-gamma result. A gate
 closing at s (a_s -> 0) cuts the context: outputs at t >= s no longer see the tokens before s.
-``hla_ref.published`` (the paper's formulas as printed) takes a float gamma only.
+``hla_ref.published`` (the paper's formulas as printed) takes a float gamma only. HLA2's two
+variants beyond the masked operator, unmasked (``masked=False``) and ``ridge``, exist in the forms
+that take those flags: naive and stream for ``masked=False``, stream for ``ridge``.
 Inputs must be NumPy arrays (or nested lists of floats): torch tensors are refused by name.
 
 Glossary: code names and the paper's symbols

@@ -4,9 +4,10 @@ Each check raises a ``TypeError`` (wrong kind of value) or ``ValueError`` (right
 whose message starts with the argument's name, so a caller sees at once what to fix.
 Nothing is silently truncated, broadcast or cast from a non-float type.
 
-Arrays are checked *before* NumPy converts them: a torch tensor is refused with a ``TypeError``
-that names the argument (``hla_ref`` is NumPy-only and never imports torch; a tensor is recognised
-by its type's module, ``type(x).__module__.startswith("torch")``), and a ragged nested list, which
+Arrays are checked *before* NumPy converts them: a torch tensor, or a list or tuple holding one,
+is refused with a ``TypeError`` that names the argument (``hla_ref`` is NumPy-only and never
+imports torch; a tensor is recognised by the package its type or one of its base types comes from,
+``torch``, so a subclass defined elsewhere is recognised too), and a ragged nested list, which
 NumPy cannot turn into an array, is refused with a ``ValueError`` that names it.
 """
 
@@ -21,18 +22,34 @@ _FLOATS = (np.float32, np.float64)
 
 
 def _is_torch(x) -> bool:
-    """True for a torch tensor (or any object of a torch type), without importing torch."""
-    return type(x).__module__.startswith("torch")
+    """True for an object of a type from the ``torch`` package, or of a type derived from one (a
+    tensor subclass defined anywhere), without importing torch."""
+    return any((c.__module__ or "").split(".")[0] == "torch" for c in type(x).__mro__)
 
 
-def to_array(x, name: str) -> np.ndarray:
-    """``np.asarray(x)``, refusing torch tensors and ragged nested lists by ``name``."""
-    if _is_torch(x):
-        raise TypeError(
-            f"{name} is a torch object ({type(x).__name__}, dtype {getattr(x, 'dtype', '?')}); "
-            f"hla_ref is NumPy-only: pass a NumPy float32/float64 array, e.g. "
-            f"{name}.detach().cpu().double().numpy()"
-        )
+def _holds_torch(x) -> bool:
+    """True for a torch object, or a list / tuple (at any depth) holding one."""
+    if isinstance(x, (list, tuple)):
+        return any(_holds_torch(y) for y in x)
+    return _is_torch(x)
+
+
+def _torch_refused(x, name: str, instead: str) -> TypeError:
+    """The error for a torch object given as ``name`` (``instead``: what to pass), or for a list
+    or tuple holding torch objects."""
+    if not _is_torch(x):
+        return TypeError(f"{name} is a {type(x).__name__} holding torch objects; hla_ref is NumPy-only: convert "
+                         f"them first (stack the tensors, then .detach().cpu().double().numpy())")
+    return TypeError(f"{name} is a torch object ({type(x).__name__}, dtype {getattr(x, 'dtype', '?')}); "
+                     f"hla_ref is NumPy-only: pass {instead}")
+
+
+def to_array(x, name: str, instead: str | None = None) -> np.ndarray:
+    """``np.asarray(x)``, refusing torch tensors (``instead``: what to pass in their place, a NumPy
+    float array by default) and ragged nested lists by ``name``."""
+    if _holds_torch(x):
+        raise _torch_refused(x, name, instead or f"a NumPy float32/float64 array, e.g. "
+                                                 f"{name}.detach().cpu().double().numpy()")
     if isinstance(x, np.ma.MaskedArray):
         raise TypeError(
             f"{name} is a NumPy masked array, whose mask these functions would ignore (they read every "
@@ -139,36 +156,45 @@ def check_dtype(dtype) -> np.dtype:
 def check_segment(x, name: str, cls):
     """One segment of a combine: a ``cls`` (a segment NamedTuple) whose arrays are finite NumPy
     float32/float64 arrays and whose ``rho`` (the product of its tokens' factors, each in
-    (0, 1], so 0 only where the product underflowed) is a real number in [0, 1]."""
+    (0, 1], so 0 only where the product underflowed) is a real number in [0, 1]. Returns it with
+    ``rho`` as a float (a NumPy float64 scalar would turn float32 fields into float64)."""
     if not isinstance(x, cls):
         raise TypeError(f"{name} must be a {cls.__name__}, got {type(x).__name__}")
+    rho = _real(x.rho, f"{name}.rho")
+    if not 0.0 <= rho <= 1.0:
+        raise ValueError(f"{name}.rho must lie in [0, 1] (a product of factors in (0, 1]), got {rho}")
     for field, value in zip(cls._fields, x):
         where = f"{name}.{field}"
         if field == "rho":
-            rho = _real(value, where)
-            if not 0.0 <= rho <= 1.0:
-                raise ValueError(f"{where} must lie in [0, 1] (a product of factors in (0, 1]), got {rho}")
             continue
         if _is_torch(value) or not isinstance(value, np.ndarray) or isinstance(value, np.ma.MaskedArray):
             raise TypeError(f"{where} must be a NumPy float32/float64 array (as the segment builders make), "
                             f"got {type(value).__name__}")
         _float_array(value, where, value.ndim, str(value.shape))   # its dtype, and every value finite
+    return x._replace(rho=rho)
 
 
 def check_segments(A, B, cls):
-    """The two segments of a combine: each as :func:`check_segment` says, both of one size (every
-    field of B shaped as A's)."""
-    check_segment(A, "A", cls)
-    check_segment(B, "B", cls)
-    for field, a, b in zip(cls._fields, A, B):
-        if np.shape(a) != np.shape(b):
-            raise ValueError(f"B.{field} has shape {np.shape(b)} where A.{field} has {np.shape(a)}: segments of "
-                             f"different sizes (d, dv) do not combine")
+    """The two segments of a combine: each as :func:`check_segment` says, every field shaped as
+    ``cls.SHAPES`` says for A's sizes (d: the first dimension of A's first field; dv: the last of
+    its first field with a "v"), B's the same. Returns (A, B) with each ``rho`` as a float."""
+    A, B = check_segment(A, "A", cls), check_segment(B, "B", cls)
+    d = np.shape(A[0])[0] if np.ndim(A[0]) else None
+    dv = next((np.shape(a)[-1] for a, s in zip(A, cls.SHAPES) if "v" in s and np.ndim(a)), None)
+    want = {"d": d, "v": dv}
+    for name, seg in (("A", A), ("B", B)):
+        for field, value, spec in zip(cls._fields, seg, cls.SHAPES):
+            shape = tuple(want[c] for c in spec)
+            if np.shape(value) != shape:
+                doc = "(" + ", ".join("dv" if c == "v" else "d" for c in spec) + (",)" if len(spec) == 1 else ")")
+                raise ValueError(f"{name}.{field} must have shape {doc} = {shape} (d = {d}, dv = {dv}, read from "
+                                 f"A), got {np.shape(value)}: segments of different sizes, or a field shaped for none, do not combine")
+    return A, B
 
 
 def _real(x, name: str) -> float:
     if _is_torch(x):
-        raise TypeError(f"{name} is a torch object ({type(x).__name__}); pass a Python float")
+        raise _torch_refused(x, name, f"a Python float, e.g. {name}.item()")
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(x).__name__}")
     try:
@@ -186,8 +212,8 @@ def check_gamma(gamma) -> float:
     Used where only one factor makes sense (a one-token segment's factor, and the paper's
     formulas in ``hla_ref.published``); the operator forms take per-token gates through
     :func:`check_gates`."""
-    if _is_torch(gamma):
-        to_array(gamma, "gamma")                    # raises the TypeError naming gamma
+    if _holds_torch(gamma):
+        raise _torch_refused(gamma, "gamma", "a Python float, e.g. gamma.item()")
     if isinstance(gamma, (list, tuple, np.ndarray)):
         raise TypeError(
             f"gamma must be a real number in (0, 1] here, got {type(gamma).__name__}: this "
@@ -236,7 +262,8 @@ def check_gates(gamma, n: int) -> Gates:
     if isinstance(gamma, numbers.Real) and not _is_torch(gamma):
         a = np.full(n, check_gamma(gamma))
     else:
-        arr = to_array(gamma, "gamma")
+        arr = to_array(gamma, "gamma", "a Python float (gamma.item()) or a NumPy float array of per-token "
+                                       "factors (gamma.detach().cpu().double().numpy())")
         if not np.issubdtype(arr.dtype, np.floating):
             raise TypeError(
                 f"gamma as an array of per-token factors must have a float dtype, got dtype "

@@ -106,6 +106,8 @@ class AHLASegment(NamedTuple):
     p: np.ndarray
     e: np.ndarray
     rho: float
+    # each field's shape in d and dv (v), for the combine's checks; rho a scalar
+    SHAPES = ("dv", "dv", "dd", "d", "d", "")
 
 
 def ahla_segment(q, k, v, gamma: float = 1.0) -> AHLASegment:
@@ -135,7 +137,7 @@ def ahla_combine(A: AHLASegment, B: AHLASegment) -> AHLASegment:
     enters with weight 1, and all of P_A decays by rho_B. With gates the same holds with
     exp(b_t - b_j) = exp(b_t - b_{e_A}) exp(b_{e_A} - b_j) and rho_B = the product of B's factors.
     """
-    check_segments(A, B, AHLASegment)
+    A, B = check_segments(A, B, AHLASegment)
     r = B.rho
     return AHLASegment(
         P=r * A.P + B.P,

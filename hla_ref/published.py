@@ -60,7 +60,7 @@ def hla2_stream_published(Q, K, V, *, gamma: float = 1.0, normalize: bool = Fals
 def hla2_combine_published(A: _HLA2Segment, B: _HLA2Segment) -> _HLA2Segment:
     """The paper's decayed scan operator: G_AB = rho_B G_A + G_B + S_B (rho_B C_A) (h likewise).
     Not associative for gamma < 1 (Erratum A)."""
-    _check_segments(A, B, _HLA2Segment)
+    A, B = _check_segments(A, B, _HLA2Segment)
     r = B.rho
     return _HLA2Segment(
         S=r * A.S + B.S,
@@ -82,7 +82,7 @@ def hla2_scan_published(Q, K, V, *, gamma: float = 1.0, normalize: bool = False,
 def ahla_combine_published(A: _AHLASegment, B: _AHLASegment) -> _AHLASegment:
     """The paper's AHLA scan operator (Sec. 6.2): R decays, R_AB = rho_B R_A + R_B, and the cross
     term is R_B (rho_B P_A). Right for one-token segments only (Erratum B)."""
-    _check_segments(A, B, _AHLASegment)
+    A, B = _check_segments(A, B, _AHLASegment)
     r = B.rho
     return _AHLASegment(
         P=r * A.P + B.P,

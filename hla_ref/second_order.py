@@ -183,6 +183,8 @@ class HLA2Segment(NamedTuple):
     G: np.ndarray
     h: np.ndarray
     rho: float
+    # each field's shape in d and dv (v), for the combine's checks; rho a scalar
+    SHAPES = ("dd", "dv", "d", "dv", "d", "")
 
 
 def hla2_segment(q, k, v, gamma: float = 1.0) -> HLA2Segment:
@@ -215,7 +217,7 @@ def hla2_combine(A: HLA2Segment, B: HLA2Segment) -> HLA2Segment:
         S = rho_B S_A + S_B,   C = rho_B C_A + C_B,   m = rho_B m_A + m_B
         G = rho_B^2 G_A + G_B + rho_B S_B C_A,   h = rho_B^2 h_A + h_B + rho_B S_B m_A
     """
-    check_segments(A, B, HLA2Segment)
+    A, B = check_segments(A, B, HLA2Segment)
     r = B.rho
     return HLA2Segment(
         S=r * A.S + B.S,

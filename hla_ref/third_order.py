@@ -44,7 +44,7 @@ __all__ = [
 
 def _index_array(x, name: str) -> np.ndarray:
     """x as an integer array (a token index or an array of them), refusing anything else by name."""
-    arr = to_array(x, name)
+    arr = to_array(x, name, f"a Python int or a NumPy integer array, e.g. {name}.detach().cpu().numpy()")
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{name} must be an integer or an integer array (token indices), got dtype {arr.dtype}")
     return arr
@@ -232,6 +232,8 @@ class HLA3Segment(NamedTuple):
     f: np.ndarray
     r: np.ndarray
     rho: float
+    # each field's shape in d and dv (v), for the combine's checks; rho a scalar
+    SHAPES = ("dd", "dd", "dv", "dv", "dv", "dd", "d", "d", "d", "")
 
 
 def hla3_segment(q, k, v, gamma: float = 1.0) -> HLA3Segment:
@@ -260,7 +262,7 @@ def hla3_combine(A: HLA3Segment, B: HLA3Segment) -> HLA3Segment:
         R = rho^2 R_A + R_B + rho SQ_B P_A,    N = rho^2 N_A + N_B + rho S_A SQ_B
         S, SQ, P: rho X_A + X_B     (rho = rho_B)
     """
-    check_segments(A, B, HLA3Segment)
+    A, B = check_segments(A, B, HLA3Segment)
     r = B.rho
     SA_SQB = A.S @ B.SQ
     return HLA3Segment(
@@ -299,6 +301,8 @@ class HLA3PaperSegment(NamedTuple):
     qp: np.ndarray
     Mm: np.ndarray
     rho: float
+    # each field's shape in d and dv (v), for the combine's checks; rho a scalar
+    SHAPES = ("dd", "dd", "dv", "dv", "dd", "dv", "dddv", "d", "d", "d", "ddd", "")
 
 
 def hla3_paper_segment(q, k, v, gamma: float = 1.0) -> HLA3PaperSegment:
@@ -333,7 +337,7 @@ def hla3_paper_combine(A: HLA3PaperSegment, B: HLA3PaperSegment) -> HLA3PaperSeg
 
     The middle family needs B's individual keys, hence the (d, d, d, dv) map M in the summary.
     """
-    check_segments(A, B, HLA3PaperSegment)
+    A, B = check_segments(A, B, HLA3PaperSegment)
     r = B.rho
     return HLA3PaperSegment(
         SK=r * A.SK + B.SK,

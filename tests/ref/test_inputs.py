@@ -315,6 +315,57 @@ def test_torch_gamma_is_refused_by_name(entry, kind):
 
 
 @pytest.mark.parametrize("entry", WITH_GAMMA, ids=ALL_IDS(WITH_GAMMA))
+def test_torch_gamma_error_says_what_to_pass(entry):
+    """The operator forms take a float or an array: the error offers both; a tensor subclass
+    defined outside torch and a list holding tensors are refused like a tensor."""
+    torch = _torch()
+
+    class Sub(torch.Tensor):
+        pass
+
+    with pytest.raises(TypeError, match=r"gamma is a torch object .*a Python float"):
+        call(entry, *good(), gamma=torch.tensor(0.5))
+    if entry[1].endswith("_published"):   # one constant decay: the error offers no array
+        with pytest.raises(TypeError, match=r"a Python float, e.g. gamma.item\(\)$"):
+            call(entry, *good(), gamma=torch.tensor(0.5))
+    else:
+        with pytest.raises(TypeError, match=r"a Python float \(gamma.item\(\)\) or a NumPy float array"):
+            call(entry, *good(), gamma=torch.tensor(0.5))
+    with pytest.raises(TypeError, match="gamma is a torch object"):
+        call(entry, *good(), gamma=torch.full((5,), 0.5).as_subclass(Sub))
+    with pytest.raises(TypeError, match="gamma is a list holding torch objects; .*stack the tensors"):
+        call(entry, *good(), gamma=[torch.tensor(0.5, requires_grad=True)] * 5)
+
+
+@pytest.mark.parametrize("which", ["Q", "K", "V"])
+@pytest.mark.parametrize("entry", FUNCTIONS, ids=IDS)
+def test_torch_inside_lists_and_subclasses_are_refused_by_name(entry, which):
+    torch = _torch()
+
+    class Sub(torch.Tensor):   # its type comes from this module; its base from torch
+        pass
+
+    arrays = good()
+    x = arrays["QKV".index(which)]
+    with pytest.raises(TypeError, match=rf"\b{which}\b is a torch object \(Sub"):
+        call(entry, *_replace(arrays, which, torch.from_numpy(x).as_subclass(Sub)))
+    with pytest.raises(TypeError, match=rf"\b{which}\b is a list holding torch objects"):
+        call(entry, *_replace(arrays, which, [torch.from_numpy(row) for row in x]))
+    with pytest.raises(TypeError, match=rf"\b{which}\b is a list holding torch objects"):
+        call(entry, *_replace(arrays, which, [[torch.tensor(y) for y in row] for row in x]))
+
+
+def test_a_package_named_like_torch_is_not_torch():
+    """Only the torch package itself counts (torchaudio's or torchmetrics' types are not refused
+    as torch's): an array-like from a module named so converts as NumPy converts it."""
+    Fake = type("Fake", (), {"__array__": lambda self, dtype=None, copy=None: np.ones((5, 3)),
+                             "__module__": "torchlike.tensor"})
+    Q, K, V = good()
+    assert np.array_equal(hla_ref.hla2_naive(Fake(), np.ones((5, 3)), V),
+                          hla_ref.hla2_naive(np.ones((5, 3)), np.ones((5, 3)), V))
+
+
+@pytest.mark.parametrize("entry", WITH_GAMMA, ids=ALL_IDS(WITH_GAMMA))
 def test_torch_eps_is_refused_by_name(entry):
     torch = _torch()
     with pytest.raises(TypeError, match="eps.*torch"):
@@ -533,6 +584,37 @@ def test_combines_check_each_segment(module, identity, combine, segment):
     with pytest.raises(TypeError, match="dtype is a torch object"):
         ident(3, 2, dtype=torch.float64)
     assert all(x.dtype == np.float32 for x in ident(3, 2, dtype="float32")[:-1])
+
+
+@pytest.mark.parametrize("module,identity,combine,segment", IDENTITIES, ids=lambda x: str(x))
+def test_combines_check_every_fields_shape(module, identity, combine, segment):
+    """Two segments malformed alike (one field's last axis cut to one entry) are refused, naming a
+    field of A and the shape its kind needs; a NumPy float64 rho comes back as a float and leaves
+    float32 fields float32."""
+    ident, comb, seg = func(module, identity), func(module, combine), func(module, segment)
+    a = seg(np.ones(3), np.ones(3), np.ones(2), 0.5)
+    for field, value in zip(a._fields[:-1], a[:-1]):
+        cut = a._replace(**{field: value[..., :1]})
+        with pytest.raises(ValueError, match=r"A\.\w+ must have shape \(d[, dv]*,?\) = \([0-9, ]+\) \(d = "):
+            comb(cut, cut)
+    f32 = seg(*(np.ones(n, np.float32) for n in (3, 3, 2)), 0.5)
+    out = comb(f32._replace(rho=np.float64(0.5)), f32._replace(rho=np.float64(0.5)))
+    assert type(out.rho) is float and all(x.dtype == np.float32 for x in out[:-1])
+    assert [x.shape for x in comb(ident(3, 2), a)[:-1]] == [x.shape for x in a[:-1]]
+
+
+def test_segment_builders_and_indices_say_what_to_pass_for_a_tensor():
+    """Where one number is expected (a segment builder's gamma, a published form's gamma, a
+    token index) the torch error offers a number, not an array."""
+    torch = _torch()
+    from hla_ref import published
+    q, k, v = np.ones(3), np.ones(3), np.ones(2)
+    with pytest.raises(TypeError, match=r"gamma is a torch object .*a Python float, e.g. gamma.item\(\)"):
+        hla_ref.hla2_segment(q, k, v, torch.tensor(0.5))
+    with pytest.raises(TypeError, match=r"gamma is a torch object .*a Python float, e.g. gamma.item\(\)"):
+        published.hla2_stream_published(*good(), gamma=torch.tensor(0.5))
+    with pytest.raises(TypeError, match=r"\bi is a torch object .*a Python int or a NumPy integer array"):
+        hla_ref.largest_index_twice(torch.tensor(1), 1, 0)
 
 
 @pytest.mark.parametrize("name", ["hla2_combine_published", "ahla_combine_published"])
