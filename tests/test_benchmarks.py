@@ -40,6 +40,7 @@ def load(name):
                                           ("bench_ahla", "ahla_h200_prefetch"),
                                           ("bench_ahla", "ahla_h200_decode_unwarmed"),
                                           ("profile_kernels", "kernels_h200"),
+                                          ("fp16_range", "fp16_range_cpu"),
                                           ("profile_kernels", "kernels_ahla_h200"),
                                           ("profile_kernels", "kernels_ahla_h200_coupled"),
                                           ("bench_ahla", "ahla_h200_before_layers"),
@@ -442,3 +443,22 @@ def test_host_work_splits_a_call_and_renders_its_record(tmp_path):
         bad = subprocess.run([sys.executable, script, "--out", str(tmp_path), *args], capture_output=True, text=True,
                              timeout=300, cwd=ROOT, env=dict(env, TRITON_INTERPRET="0"))
         assert bad.returncode == 2 and msg in bad.stderr
+
+
+def test_fp16_range_records_the_first_non_finite_token(tmp_path):
+    """benchmarks/fp16_range.py on a short sequence: one row per order, gate and q/k norm, every
+    output finite at 64 tokens; the markdown is rendered from the JSON; a bad --T is refused."""
+    script = os.path.join(ROOT, "benchmarks", "fp16_range.py")
+    run = subprocess.run([sys.executable, script, "--out", str(tmp_path), "--tag", "t", "--T", "64"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    res = json.loads((tmp_path / "fp16_range_t.json").read_text())
+    fr = load("fp16_range")
+    assert [(r["order"], r["gate"], r["qk_norm"]) for r in res["rows"]] == [
+        (o, g, n) for o in fr.ORDERS for g in fr.GATES for n in fr.QK_NORMS]
+    assert res["T"] == 64 and all(r["first_non_finite"] is None for r in res["rows"])
+    assert (tmp_path / "fp16_range_t.md").read_text() == fr.render_markdown(res)
+    bad = subprocess.run([sys.executable, script, "--out", str(tmp_path), "--T", "0"], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    assert bad.returncode == 2 and "--T must be >= 1" in bad.stderr
+

@@ -39,7 +39,11 @@ linear attention convention), so the model chooses per token how much to forget.
 
 Keeping the states in range. Without decay the HLA2 output is a sum over O(t^2) index pairs, so
 its size grows with the position t; the states are fp32 (even for bf16 inputs), so overflow is far,
-but the output's scale drifts with t, which the next layer sees. The layer offers: ``qk_norm="l2"``
+but the output's scale drifts with t, which the next layer sees. fp16 is the exception: the
+operator returns its output in the inputs' dtype, and fp16's largest value (65504) is reached
+within a few thousand tokens without decay (a fresh 64-wide layer at the defaults: token 1764 for
+hla3, 10987 for hla2; ``benchmarks/results/fp16_range_cpu.md``), while a decay (``gate="fixed"``
+or ``"data"``) kept all 16384 tokens finite: in fp16, use a gate, or bf16. The layer offers: ``qk_norm="l2"``
 (unit-norm q and k per head: every q . k in [-1, 1]; otherwise q and k are each scaled by K^-1/4 so
 q . k carries softmax attention's 1/sqrt(K)), ``output_norm=True`` (an RMS norm over each head's
 V outputs, with a learned scale, as flash-linear-attention's layers do), and ``normalize=True``
@@ -76,6 +80,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops import library
+from ..ops.common.autograd import autograd_records
 from ..ops.common.checks import check_eps, check_finite_float
 from .cache import HLACache
 
@@ -222,9 +227,11 @@ class HigherOrderLinearAttention(nn.Module):
         k = self.k_proj(x).view(B, T, self.num_kv_heads, K)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, K)
         if self.qk_norm == "l2":
-            # under CUDA autocast the norm is computed in fp32, which would promote q and k: keep
-            # the projections' dtype, which v has too (the operators take one dtype for q, k, v)
-            q, k = F.normalize(q, dim=-1).to(v.dtype), F.normalize(k, dim=-1).to(v.dtype)
+            # in fp32 (float64 kept): fp16 rounds the norm's eps (1e-12) to 0, and a zero vector
+            # (an all-zero hidden state) then gives 0/0 = NaN, which the states carry to every
+            # later token; back in the projections' dtype, which v has too (the operators take
+            # one dtype for q, k, v; CUDA autocast would otherwise promote q and k)
+            q, k = (F.normalize(_fp32_or_wider(x), dim=-1).to(v.dtype) for x in (q, k))
         else:
             s = K ** -0.25
             q, k = q * s, k * s
@@ -288,7 +295,10 @@ class HigherOrderLinearAttention(nn.Module):
             o, _ = context_parallel(self.order, q, k, v, group=cp_group, g=g, normalize=self.normalize,
                                     eps=self.eps, chunk_size=self.chunk_size, backend=self.backend)
             new = None
-        elif T == 1 and (state is not None or use_cache):
+        elif T == 1 and (state is not None or use_cache) and not (
+                compiling and autograd_records(q, k, v, g, *(state or ()))):
+            # one decode step; traced while autograd records, the token runs as a chunk call
+            # instead (same output and state), since the step op has no autograd formula
             kw["g"] = None if g is None else g[:, 0]
             if compiling:
                 o, new = library.stepped(self.order, q[:, 0], k[:, 0], v[:, 0], state, **kw)

@@ -18,7 +18,8 @@ Ops (namespace ``hla``), for every order in ``ORDERS`` ("hla2", "ahla", "hla3"):
         The gradient of the chunked call (see "Backward" below).
     hla::<order>_step(q, k, v, g, state, gamma, normalize, eps, backend) -> [o, *state]
         One decode step ``hla_fast.<order>_step`` (forward only: no autograd formula is
-        registered; decoding under a recorded gradient uses the eager layer).
+        registered; traced while autograd records, the layer runs a one-token call through
+        ``<order>_chunk`` instead, which gives the same output and state).
 
 State layouts (fp32; float64 on the float64 torch path), per batch and head, K the key width and
 V the value width:

@@ -182,6 +182,31 @@ def test_compiled_decode_steps_cpu(order):
     assert _rel(outs, full[:, 5:]) < 1e-5
 
 
+@pytest.mark.parametrize("order", ORDERS)
+def test_compiled_one_token_calls_with_a_cache_train(order):
+    """A one-token call with a cache while autograd records (a first token, then a step after a
+    prefill, gradients through both) compiles, and its outputs and gradients are the eager
+    layer's: traced, such a call runs as a chunk call (the step op has no autograd formula)."""
+    torch.manual_seed(3)
+    layer = HigherOrderLinearAttention(32, 2, order=order, gate="data", layer_idx=0, backend="torch")
+    x = torch.randn(1, 6, 32)
+
+    def run(fn):
+        layer.zero_grad(set_to_none=True)
+        first, _, _ = fn(x[:, :1], None)
+        _, _, cache = fn(x[:, :5], None)
+        step, _, _ = fn(x[:, 5:6], cache)
+        (first.square().sum() + step.square().sum()).backward()
+        return [first.detach(), step.detach()] + [p.grad.clone() for p in layer.parameters()]
+
+    eager = run(lambda xt, c: layer(xt, past_key_values=c, use_cache=True))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda xt, c: layer(xt, past_key_values=c, use_cache=True), fullgraph=True,
+                             backend="aot_eager")
+    got = run(compiled)
+    assert all(_rel(a, b) < 1e-5 for a, b in zip(got, eager))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("gate", ["none", "data"])
