@@ -81,7 +81,7 @@ import torch.nn.functional as F
 
 from ..ops import library
 from ..ops.common.autograd import autograd_records
-from ..ops.common.checks import check_eps, check_finite_float
+from ..ops.common.checks import MAX_DIM, check_eps, check_finite_float
 from .cache import HLACache
 
 GATES = ("none", "fixed", "data")
@@ -153,6 +153,8 @@ class HigherOrderLinearAttention(nn.Module):
                 raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}: pass head_dim")
             head_dim = hidden_size // num_heads
         _positive_int(head_dim, "head_dim")
+        if head_dim > MAX_DIM:
+            raise ValueError(f"head_dim must be at most {MAX_DIM} (the operators' widest head), got {head_dim}")
         num_kv_heads = num_heads if num_kv_heads is None else _positive_int(num_kv_heads, "num_kv_heads")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads {num_kv_heads} must divide num_heads {num_heads}")

@@ -304,6 +304,9 @@ def test_bad_arguments():
         HigherOrderLinearAttention(32, 4, num_kv_heads=3)
     with pytest.raises(ValueError, match="head_dim"):
         HigherOrderLinearAttention(30, 4)
+    with pytest.raises(ValueError, match="head_dim must be at most 256 .* got 300"):
+        HigherOrderLinearAttention(32, 2, head_dim=300)
+    assert HigherOrderLinearAttention(32, 2, head_dim=256).head_dim == 256
     with pytest.raises(ValueError, match="qk_norm"):
         HigherOrderLinearAttention(32, 2, qk_norm="rms")
     with pytest.raises(TypeError, match="normalize"):
