@@ -239,6 +239,8 @@ def test_bad_arguments():
         run_slices("hla2", [], [], [])
     with pytest.raises(ValueError, match=r"slice 1 has \(B, H, K, V\) = \(1, 1, 2, 1\)"):
         run_slices("hla2", [q, q], [k, k], [v, v[..., :1]])
+    with pytest.raises(ValueError, match=r"slice 1 is torch.float64 on cpu, slice 0 torch.float32 on cpu"):
+        run_slices("hla2", [q, q.double()], [k, k.double()], [v, v.double()], backend="torch")
     with pytest.raises(ValueError, match=r"g must have shape"):
         run_slices("hla2", [q], [k], [v], gs=[torch.zeros(1, 4)])
 

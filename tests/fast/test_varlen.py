@@ -127,6 +127,21 @@ def test_packed_equals_separate_triton(op, kind, normalize, device, poison):
 
 
 @OPS
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_smallest_accepted_eps_keeps_padded_gradients_finite(op, backend, device):
+    """Normalized, with lengths that differ: at the smallest eps the check accepts (fp32's smallest
+    normal number) the padded rows' 0 / eps is 0 and every gradient is finite."""
+    if backend == "torch":
+        device = "cpu"
+    q, k, v = rand_qkv(1, 10, 1, 4, 4, seed=5, positive=True, device=device)
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    o, _ = _packed_call(op, *leaves, _offsets([3, 7], device), normalize=True, eps=torch.finfo(torch.float32).tiny,
+                        backend=backend)
+    o.sum().backward()
+    assert torch.isfinite(o).all() and all(torch.isfinite(x.grad).all() for x in leaves)
+
+
+@OPS
 def test_equal_lengths_take_no_padding(op):
     """Equal lengths: the padded batch is a reshape (no copy), gamma stays a constant, and the
     result is bit-for-bit the batched call."""
@@ -206,8 +221,13 @@ def test_bad_offsets(op):
         run(i32([0, 2, 7]))
     with pytest.raises(ValueError, match="q must have B == 1, got B=2"):
         _packed_call(op, *(torch.cat([x, x]) for x in (q, k, v)), i32([0, 6]))
-    with pytest.raises(ValueError, match="needs eps > 0"):
+    with pytest.raises(ValueError, match=r"needs eps >= 1.175e-38 \(eps > 0, .*got eps=0.0"):
         run(i32([0, 2, 6]), normalize=True, eps=0.0)
+    for eps in (1e-50, 1e-40):   # 0 in fp32, and a subnormal a GPU flushes to 0
+        with pytest.raises(ValueError, match=rf"needs eps >= 1.175e-38 .*got eps={eps}"):
+            run(i32([0, 2, 6]), normalize=True, eps=eps)
+    with pytest.raises(ValueError, match="cu_seqlens is on the meta device, which holds no values"):
+        _packed_call(op, *(x.to("meta") for x in (q, k, v)), i32([0, 2, 6]).to("meta"))
     with pytest.raises(ValueError, match=r"g must have shape \[B, T, H\]"):
         run(i32([0, 2, 6]), g=torch.zeros(2, 6))
     bad_rows = rand_state(op, 3, 2, 4, 3, False)   # 3 rows for 2 sequences

@@ -80,6 +80,9 @@ def check_cu_seqlens(cu_seqlens, q) -> VarlenLayout:
             f"cu_seqlens must be a 1-D tensor [N + 1] with N >= 1 sequences, got shape {tuple(cu_seqlens.shape)}")
     if cu_seqlens.device != q.device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {q.device}")
+    if cu_seqlens.device.type == "meta":
+        raise ValueError("cu_seqlens is on the meta device, which holds no values: a packed call lays its "
+                         "sequences out by the offsets themselves, so it needs them on a real device")
     B, T = q.shape[0], q.shape[1]
     if B != 1:
         raise ValueError(f"with cu_seqlens the sequences are packed along T: q must have B == 1, got B={B}")
@@ -149,10 +152,13 @@ def varlen_call(op, q, k, v, cu_seqlens, *, gamma=None, g=None, normalize=False,
     check_flag(normalize, "normalize")
     eps = check_eps(eps)
     layout = check_cu_seqlens(cu_seqlens, q)
-    if normalize and eps == 0.0 and layout.padded:
+    tiny = torch.finfo(torch.float64 if q.dtype == torch.float64 else torch.float32).tiny
+    if normalize and eps < tiny and layout.padded:
         raise ValueError(
-            "cu_seqlens with normalize=True needs eps > 0 when the sequences differ in length: padded rows "
-            "have a zero denominator, and 0 / 0 there would put NaN into the gradients")
+            f"cu_seqlens with normalize=True needs eps >= {tiny:.4g} (eps > 0, and a normal number of the "
+            f"denominator's dtype) when the sequences differ in length, got eps={eps!r}: padded rows have a zero "
+            "denominator, and 0 / 0 there (an eps that is 0, rounds to 0 or is flushed to 0) would put NaN into "
+            "the gradients")
     gamma_p, g_p = varlen_gates(gamma, g, layout, q)
     qp, kp, vp = (to_padded(x, layout) for x in (q, k, v))
     o, state = op(qp, kp, vp, gamma=gamma_p, g=g_p, normalize=normalize, eps=eps, **kwargs)

@@ -297,6 +297,9 @@ def run_slices(op, qs, ks, vs, *, gs=None, gamma=None, normalize=False, eps=1e-6
             layout = _layout(spec, K, V, normalize)
         elif dims != (B, H, K, V):
             raise ValueError(f"slice {r} has (B, H, K, V) = {dims}, slice 0 has {(B, H, K, V)}: only T may differ")
+        elif (qs[r].dtype, qs[r].device) != (qs[0].dtype, qs[0].device):
+            raise ValueError(f"slice {r} is {qs[r].dtype} on {qs[r].device}, slice 0 {qs[0].dtype} on "
+                             f"{qs[0].device}: every slice takes one dtype and device")
         kw = dict(gamma=gamma_r, g=g_r, normalize=normalize, eps=eps, chunk_size=chunk_size, backend=backend,
                   config=config)
         o, summary = _first_pass(spec, fn, qs[r], ks[r], vs[r], r == 0, initial_state, kw)
