@@ -446,7 +446,7 @@ def _chunk_paper(q, k, v, state, log_a):
 
 
 def hla3_chunked(Q, K, V, *, chunk_size: int = 64, gamma=1.0, normalize: bool = False,
-                 eps: float = 1e-6, variant: str = "masked") -> np.ndarray:
+                 eps: float = 1e-6, variant: str = "masked", return_state: bool = False):
     """Third-order HLA by chunks: dense work inside a chunk, a carried state across chunks.
 
     masked: state (S, P, F), d^2 + 2 d dv numbers; at gamma = 1 the chunk output is
@@ -458,11 +458,17 @@ def hla3_chunked(Q, K, V, *, chunk_size: int = 64, gamma=1.0, normalize: bool = 
     earlier S^Q is known when a chunk is processed (the map only serves a fully parallel scan).
     ``gamma``: a float in (0, 1] or an array (n,) of per-token factors; inside a chunk every
     decay is exp of a running sum of log a_s <= 0 (never above 1, whatever the gates).
-    Q, K (n, d); V (n, dv) -> (n, dv); any n.
+    Q, K (n, d); V (n, dv) -> (n, dv); any n. ``return_state`` (masked only): also return the
+    carried state after the last token, the :class:`HLA3State` of :func:`hla3_stream` (the paper
+    variant's chunks carry (S^K, S^Q, P, F), which is not its stream's state: refused there).
     """
     Q, K, V, gates, normalize, eps = check_common(Q, K, V, gamma, normalize, eps)
     variant = check_variant(variant)
     C = check_chunk_size(chunk_size)
+    if check_flag(return_state, "return_state") and variant != "masked":
+        raise ValueError("return_state is for variant='masked': the paper variant's chunks carry "
+                         "(S^K, S^Q, P, F), not the (S^K, S^Q, P, G1, G2, G3) of HLA3PaperState; "
+                         "hla3_stream(..., variant='paper', return_state=True) returns that")
     (n, d), dv, dt = Q.shape, V.shape[1], Q.dtype
     Vh = with_ones(V)
     zdd, zdv = np.zeros((d, d), dt), np.zeros((d, dv + 1), dt)
@@ -474,4 +480,8 @@ def hla3_chunked(Q, K, V, *, chunk_size: int = 64, gamma=1.0, normalize: bool = 
     for s in range(0, n, C):
         out[s:s + C], state = step(Q[s:s + C], K[s:s + C], Vh[s:s + C], state,
                                    gates.log_a[s:s + C])
-    return read_out(out[:, :dv], out[:, dv], normalize, eps)
+    O = read_out(out[:, :dv], out[:, dv], normalize, eps)
+    if return_state:   # the ones column of P and F: p and f
+        S, P, F = state
+        return O, HLA3State(S, P[:, :dv], F[:, :dv], P[:, dv], F[:, dv])
+    return O

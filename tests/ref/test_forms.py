@@ -273,7 +273,8 @@ def test_largest_index_twice():
                                    pytest.param(0.7, id="gamma=0.7"),
                                    pytest.param(random_gates(23, 8, low=0.2), id="gates")])
 def test_chunked_states_hold_the_moments(gamma, chunk_size):
-    """hla2_chunked carries the compact (S, W, z); ahla_chunked carries (P, E, p, e)."""
+    """hla2_chunked carries the compact (S, W, z); ahla_chunked carries (P, E, p, e); hla3_chunked
+    (masked) carries its stream's (S, P, F, p, f)."""
     Q, K, V = random_qkv(23, 8, 3, 2)
     out, state = func("second_order", "hla2_chunked")(Q, K, V, gamma=gamma, chunk_size=chunk_size,
                                                       return_state=True)
@@ -289,3 +290,21 @@ def test_chunked_states_hold_the_moments(gamma, chunk_size):
     got, m = fields(state), brute.ahla_moments(Q, K, V, gamma)
     for key in ("P", "E", "p", "e"):
         assert rel_err(got[key], m[key]) < RTOL, key
+
+    out, state = func("third_order", "hla3_chunked")(Q, K, V, gamma=gamma, chunk_size=chunk_size,
+                                                     return_state=True)
+    assert type(state).__name__ == "HLA3State"
+    assert rel_err(out, brute.hla3(Q, K, V, gamma=gamma)) < RTOL
+    got, m = fields(state), brute.hla3_moments(Q, K, V, gamma)
+    for key in ("S", "P", "F", "p", "f"):
+        assert rel_err(got[key], m[key]) < RTOL, key
+
+
+def test_hla3_chunked_state_is_the_masked_variants():
+    Q, K, V = random_qkv(24, 5, 3, 2)
+    fn = func("third_order", "hla3_chunked")
+    with pytest.raises(ValueError, match="return_state is for variant='masked'"):
+        fn(Q, K, V, variant="paper", return_state=True)
+    with pytest.raises(TypeError, match="return_state must be True or False"):
+        fn(Q, K, V, return_state="yes")
+    assert isinstance(fn(Q, K, V, variant="paper"), np.ndarray)
