@@ -13,6 +13,7 @@ NumPy cannot turn into an array, is refused with a ``ValueError`` that names it.
 
 from __future__ import annotations
 
+import collections
 import numbers
 from typing import NamedTuple
 
@@ -34,22 +35,21 @@ def _holds_torch(x) -> bool:
     return _is_torch(x)
 
 
-def _torch_refused(x, name: str, instead: str) -> TypeError:
-    """The error for a torch object given as ``name`` (``instead``: what to pass), or for a list
-    or tuple holding torch objects."""
+def _torch_refused(x, name: str, what: str, how: str) -> TypeError:
+    """The error for a torch object given as ``name``, or for a list or tuple holding torch
+    objects: ``what`` to pass instead, ``how`` to get it from a tensor."""
     if not _is_torch(x):
-        return TypeError(f"{name} is a {type(x).__name__} holding torch objects; hla_ref is NumPy-only: convert "
-                         f"them first (stack the tensors, then .detach().cpu().double().numpy())")
+        return TypeError(f"{name} is a {type(x).__name__} holding torch objects; hla_ref is NumPy-only: pass "
+                         f"{what} (convert the tensors first)")
     return TypeError(f"{name} is a torch object ({type(x).__name__}, dtype {getattr(x, 'dtype', '?')}); "
-                     f"hla_ref is NumPy-only: pass {instead}")
+                     f"hla_ref is NumPy-only: pass {what}, e.g. {how}")
 
 
-def to_array(x, name: str, instead: str | None = None) -> np.ndarray:
-    """``np.asarray(x)``, refusing torch tensors (``instead``: what to pass in their place, a NumPy
-    float array by default) and ragged nested lists by ``name``."""
+def to_array(x, name: str, what: str = "a NumPy float32/float64 array", how: str | None = None) -> np.ndarray:
+    """``np.asarray(x)``, refusing torch tensors (``what`` to pass instead and ``how``, by default a
+    NumPy float array from ``.detach().cpu().double().numpy()``) and ragged nested lists by ``name``."""
     if _holds_torch(x):
-        raise _torch_refused(x, name, instead or f"a NumPy float32/float64 array, e.g. "
-                                                 f"{name}.detach().cpu().double().numpy()")
+        raise _torch_refused(x, name, what, how or f"{name}.detach().cpu().double().numpy()")
     if isinstance(x, np.ma.MaskedArray):
         raise TypeError(
             f"{name} is a NumPy masked array, whose mask these functions would ignore (they read every "
@@ -170,17 +170,25 @@ def check_segment(x, name: str, cls):
         if _is_torch(value) or not isinstance(value, np.ndarray) or isinstance(value, np.ma.MaskedArray):
             raise TypeError(f"{where} must be a NumPy float32/float64 array (as the segment builders make), "
                             f"got {type(value).__name__}")
+        if value.ndim == 0:
+            raise ValueError(f"{where} must be an array of {cls.__name__}'s shapes (d, ...), got a 0-d array")
         _float_array(value, where, value.ndim, str(value.shape))   # its dtype, and every value finite
     return x._replace(rho=rho)
 
 
 def check_segments(A, B, cls):
     """The two segments of a combine: each as :func:`check_segment` says, every field shaped as
-    ``cls.SHAPES`` says for A's sizes (d: the first dimension of A's first field; dv: the last of
-    its first field with a "v"), B's the same. Returns (A, B) with each ``rho`` as a float."""
+    ``cls.SHAPES`` says for A's sizes, B's the same. Returns (A, B) with each ``rho`` as a float.
+
+    A's sizes are the ones most of its fields agree on (d: the first dimension of every array
+    field; dv: the last of every field with a "v"), so the error names the field that is off."""
     A, B = check_segment(A, "A", cls), check_segment(B, "B", cls)
-    d = np.shape(A[0])[0] if np.ndim(A[0]) else None
-    dv = next((np.shape(a)[-1] for a, s in zip(A, cls.SHAPES) if "v" in s and np.ndim(a)), None)
+
+    def most_common(sizes):
+        return collections.Counter(sizes).most_common(1)[0][0]
+
+    d = most_common([np.shape(a)[0] for a, s in zip(A, cls.SHAPES) if s])
+    dv = most_common([np.shape(a)[-1] for a, s in zip(A, cls.SHAPES) if "v" in s])
     want = {"d": d, "v": dv}
     for name, seg in (("A", A), ("B", B)):
         for field, value, spec in zip(cls._fields, seg, cls.SHAPES):
@@ -194,7 +202,7 @@ def check_segments(A, B, cls):
 
 def _real(x, name: str) -> float:
     if _is_torch(x):
-        raise _torch_refused(x, name, f"a Python float, e.g. {name}.item()")
+        raise _torch_refused(x, name, "a Python float", f"{name}.item()")
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(x).__name__}")
     try:
@@ -213,7 +221,7 @@ def check_gamma(gamma) -> float:
     formulas in ``hla_ref.published``); the operator forms take per-token gates through
     :func:`check_gates`."""
     if _holds_torch(gamma):
-        raise _torch_refused(gamma, "gamma", "a Python float, e.g. gamma.item()")
+        raise _torch_refused(gamma, "gamma", "a Python float", "gamma.item()")
     if isinstance(gamma, (list, tuple, np.ndarray)):
         raise TypeError(
             f"gamma must be a real number in (0, 1] here, got {type(gamma).__name__}: this "
@@ -262,8 +270,8 @@ def check_gates(gamma, n: int) -> Gates:
     if isinstance(gamma, numbers.Real) and not _is_torch(gamma):
         a = np.full(n, check_gamma(gamma))
     else:
-        arr = to_array(gamma, "gamma", "a Python float (gamma.item()) or a NumPy float array of per-token "
-                                       "factors (gamma.detach().cpu().double().numpy())")
+        arr = to_array(gamma, "gamma", "a Python float or a NumPy float array of per-token factors",
+                       "gamma.item() or gamma.detach().cpu().double().numpy()")
         if not np.issubdtype(arr.dtype, np.floating):
             raise TypeError(
                 f"gamma as an array of per-token factors must have a float dtype, got dtype "

@@ -44,7 +44,7 @@ __all__ = [
 
 def _index_array(x, name: str) -> np.ndarray:
     """x as an integer array (a token index or an array of them), refusing anything else by name."""
-    arr = to_array(x, name, f"a Python int or a NumPy integer array, e.g. {name}.detach().cpu().numpy()")
+    arr = to_array(x, name, "a Python int or a NumPy integer array", f"{name}.item() or {name}.detach().cpu().numpy()")
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{name} must be an integer or an integer array (token indices), got dtype {arr.dtype}")
     return arr

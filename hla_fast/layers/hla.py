@@ -40,9 +40,9 @@ linear attention convention), so the model chooses per token how much to forget.
 Keeping the states in range. Without decay the HLA2 output is a sum over O(t^2) index pairs, so
 its size grows with the position t; the states are fp32 (even for bf16 inputs), so overflow is far,
 but the output's scale drifts with t, which the next layer sees. fp16 is the exception: the
-operator returns its output in the inputs' dtype, and fp16's largest value (65504) is reached
-within a few thousand tokens without decay (a fresh 64-wide layer at the defaults: token 1764 for
-hla3, 10987 for hla2; ``benchmarks/results/fp16_range_cpu.md``), while a decay (``gate="fixed"``
+operator returns its output in the inputs' dtype, and without decay fp16's largest value (65504)
+is passed within 640 to 14624 tokens by order and q/k norm (a fresh 64-wide layer at the defaults:
+token 1764 for hla3, 10987 for hla2; ``benchmarks/results/fp16_range_cpu.md``), while a decay (``gate="fixed"``
 or ``"data"``) kept all 16384 tokens finite: in fp16, use a gate, or bf16. The layer offers: ``qk_norm="l2"``
 (unit-norm q and k per head: every q . k in [-1, 1]; otherwise q and k are each scaled by K^-1/4 so
 q . k carries softmax attention's 1/sqrt(K)), ``output_norm=True`` (an RMS norm over each head's

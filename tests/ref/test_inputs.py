@@ -329,11 +329,12 @@ def test_torch_gamma_error_says_what_to_pass(entry):
         with pytest.raises(TypeError, match=r"a Python float, e.g. gamma.item\(\)$"):
             call(entry, *good(), gamma=torch.tensor(0.5))
     else:
-        with pytest.raises(TypeError, match=r"a Python float \(gamma.item\(\)\) or a NumPy float array"):
+        with pytest.raises(TypeError, match=r"a Python float or a NumPy float array of per-token factors, e.g. "
+                                            r"gamma.item\(\) or "):
             call(entry, *good(), gamma=torch.tensor(0.5))
     with pytest.raises(TypeError, match="gamma is a torch object"):
         call(entry, *good(), gamma=torch.full((5,), 0.5).as_subclass(Sub))
-    with pytest.raises(TypeError, match="gamma is a list holding torch objects; .*stack the tensors"):
+    with pytest.raises(TypeError, match=r"gamma is a list holding torch objects; .*convert the tensors first\)$"):
         call(entry, *good(), gamma=[torch.tensor(0.5, requires_grad=True)] * 5)
 
 
@@ -597,6 +598,12 @@ def test_combines_check_every_fields_shape(module, identity, combine, segment):
         cut = a._replace(**{field: value[..., :1]})
         with pytest.raises(ValueError, match=r"A\.\w+ must have shape \(d[, dv]*,?\) = \([0-9, ]+\) \(d = "):
             comb(cut, cut)
+    v_fields = [f for f, spec in zip(a._fields, type(a).SHAPES) if "v" in spec]
+    if len(v_fields) > 2:   # the sizes most fields agree on: the odd field out is named
+        with pytest.raises(ValueError, match=rf"A\.{v_fields[0]} must have shape \(d, [d, ]*dv\) = .*dv = 2"):
+            comb(a._replace(**{v_fields[0]: getattr(a, v_fields[0])[..., :1]}), a)
+    with pytest.raises(ValueError, match=rf"A\.{a._fields[0]} must be an array of .*got a 0-d array"):
+        comb(a._replace(**{a._fields[0]: np.array(1.0)}), a)
     f32 = seg(*(np.ones(n, np.float32) for n in (3, 3, 2)), 0.5)
     out = comb(f32._replace(rho=np.float64(0.5)), f32._replace(rho=np.float64(0.5)))
     assert type(out.rho) is float and all(x.dtype == np.float32 for x in out[:-1])
