@@ -45,7 +45,7 @@ for p in (ROOT, os.path.join(ROOT, "benchmarks")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from bench_hla2 import CUDA, DEVICE, host_us, sync  # noqa: E402
+from bench_hla2 import CUDA, fwd_bwd, fwd_only, host_us, make_gates, make_inputs, sync  # noqa: E402
 from profile_kernels import CASES_HELP, checked_cases  # noqa: E402
 from records import portable, record_parser, render_stored, stamp, write_record  # noqa: E402
 
@@ -92,35 +92,14 @@ def chunked(op):
     return lambda q, k, v, g, gamma, n, launch: hla3_chunked(q, k, v, g, gamma, None, n, 1e-6, launch=launch)[0]
 
 
-def inputs(D, T, gated, normalize, grad):
-    """(q, k, v, g or None, gamma or None, do): bf16 (on CPU too, so that the rule picks the
-    layout it picks on CUDA), leaves that require grad when ``grad``; |q|, |k| when normalizing (a
-    positive denominator)."""
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    dtype = torch.bfloat16
-    q, k = ((torch.randn(B, T, H, D, device=DEVICE, generator=gen) * 0.3) for _ in range(2))
+def inputs(D, T, gated, normalize):
+    """The call's tensors (q, k, v, and the log-gates g when ``gated``) and an output gradient:
+    ``bench_hla2``'s bf16 inputs (on CPU too, so that the rule picks the layout it picks on CUDA),
+    |q|, |k| when normalizing (a positive denominator)."""
+    q, k, v = make_inputs(B, T, H, D, D)
     if normalize:
         q, k = q.abs(), k.abs()
-    v, do = (torch.randn(B, T, H, D, device=DEVICE, generator=gen) for _ in range(2))
-    q, k, v, do = (x.to(dtype) for x in (q, k, v, do))
-    g = -0.001 * torch.rand(B, T, H, device=DEVICE, generator=gen) if gated else None
-    leaves = [x.requires_grad_(grad) if x is not None else None for x in (q, k, v, g)]
-    return (*leaves, None if gated else GAMMA, do)
-
-
-def _pass(fn, leaves, do, grad):
-    """A closure running one call: under no_grad, or forward + backward (fresh gradients)."""
-    def run():
-        if not grad:
-            with torch.no_grad():
-                fn()
-            return
-        for x in leaves:
-            if x is not None:
-                x.grad = None
-        fn().backward(do)
-
-    return run
+    return (q, k, v) + ((make_gates(B, T, H),) if gated else ()), torch.randn_like(v)
 
 
 def profile_rows(run, calls):
@@ -144,19 +123,25 @@ def measure_case(op, D, T, gated, normalize, calls, all_parts=CUDA):
     import hla_fast
 
     out = {"op": op, "K": D, "V": D, "T": T, "B": B, "H": H, "gated": gated, "normalize": normalize}
-    run_chunked = chunked(op)
-    for name, grad in (("fwd", False), ("fwdbwd", True)):
-        q, k, v, g, gamma, do = inputs(D, T, gated, normalize, grad)
-        leaves = (q, k, v, g)
-        own = _pass(lambda: run_chunked(q, k, v, g, gamma, normalize, nothing), leaves, do, grad)
+    run_chunked, gamma = chunked(op), None if gated else GAMMA
+
+    def chunked_with(launch):
+        return lambda q, k, v, g=None: run_chunked(q, k, v, g, gamma, normalize, launch)
+
+    def public(q, k, v, g=None):
+        decay = {"g": g} if gated else {"gamma": gamma}
+        return getattr(hla_fast, op)(q, k, v, normalize=normalize, backend="triton", **decay)[0]
+
+    xs, do = inputs(D, T, gated, normalize)
+    # bench_hla2's closures: under no_grad, or forward + backward on leaves that require grad
+    for name, closure in (("fwd", lambda fn: fwd_only(fn, xs)), ("fwdbwd", lambda fn: fwd_bwd(fn, xs, do))):
+        own = closure(chunked_with(nothing))
         row = {"own_us": host_us(own, calls), "call_us": None, "launches_us": None, "rest_us": None}
         if all_parts:
-            decay = {"g": g} if gated else {"gamma": gamma}
-            call = _pass(lambda: getattr(hla_fast, op)(q, k, v, normalize=normalize, backend="triton", **decay)[0],
-                         leaves, do, grad)
+            call = closure(public)
             row["call_us"] = host_us(call, calls)
             keep = Keeper()
-            _pass(lambda: run_chunked(q, k, v, g, gamma, normalize, keep), leaves, do, grad)()
+            closure(chunked_with(keep))()
             row["launches_us"] = [[kernel_name(kern), host_us(lambda: kern[grid](**kw), calls)]
                                   for kern, grid, kw in keep.launches]
             row["rest_us"] = row["call_us"] - row["own_us"] - sum(us for _, us in row["launches_us"])
