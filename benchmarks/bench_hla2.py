@@ -396,8 +396,13 @@ def train_memory(fn, inputs, do):
 # ----------------------------------------------------------------------------- first call (subprocesses)
 
 
-def first_call_variants(dims=(32, 64, 128), dtypes=("fp32", "bf16"), flags=("gamma", "g", "normalize")):
+FIRST_CALL_FLAGS = ("gamma", "g", "normalize")
+FIRST_CALL_DTYPES = ("fp32", "bf16")
+
+
+def first_call_variants(dims=(32, 64, 128), dtypes=FIRST_CALL_DTYPES, flags=FIRST_CALL_FLAGS):
     """Every (dtype, K=V, flag), fp32 first: they compile slowest, so they start first."""
+    dtypes = sorted(dtypes, key=FIRST_CALL_DTYPES.index)
     return [{"dtype": dt, "K": d, "flag": f} for dt in dtypes for d in sorted(dims, reverse=True) for f in flags]
 
 
@@ -918,6 +923,12 @@ def main():
     ap.add_argument("--first-call-jobs", type=int, default=12,
                     help="parallel first-call subprocesses (one CPU core each: Triton compiles in the calling thread)")
     ap.add_argument("--first-call-timeout", type=float, default=150.0, help="seconds per first-call subprocess")
+    ap.add_argument("--first-call-T", type=int, default=2048,
+                    help="T of the first-call shape (B = 4, H = 16); 8192 times bf16 heads of 64 as first-order layers")
+    ap.add_argument("--first-call-dims", default="32,64,128", help="comma list of the first calls' K = V")
+    ap.add_argument("--first-call-dtypes", default="fp32,bf16", help="comma list of the first calls' dtypes")
+    ap.add_argument("--first-call-flags", default=",".join(FIRST_CALL_FLAGS),
+                    help="comma list of the first calls' flags: " + ",".join(FIRST_CALL_FLAGS))
     ap.add_argument("--first-call-reserve", type=float, default=150.0,
                     help="seconds the variants section leaves for accuracy + first_call")
     ap.add_argument("--no-overlap", action="store_true", help="run the first-call subprocesses after accuracy")
@@ -933,6 +944,18 @@ def main():
     unknown = set(filter(None, (args.skip + "," + args.sections).split(","))) - set(SECTIONS)
     if unknown:
         ap.error(f"unknown sections {sorted(unknown)}; known: {','.join(SECTIONS)}")
+    fc_dtypes, fc_flags = args.first_call_dtypes.split(","), args.first_call_flags.split(",")
+    for name, given, known in (("--first-call-dtypes", fc_dtypes, FIRST_CALL_DTYPES),
+                               ("--first-call-flags", fc_flags, FIRST_CALL_FLAGS)):
+        if not given or set(given) - set(known):
+            ap.error(f"{name} takes a comma list of {','.join(known)}; got {','.join(given)!r}")
+    try:
+        fc_dims = int_list(args.first_call_dims, [])
+    except ValueError:
+        fc_dims = []
+    if not fc_dims or min(fc_dims) < 1 or args.first_call_T < 1:
+        ap.error(f"--first-call-dims takes positive head sizes and --first-call-T a positive length; "
+                 f"got {args.first_call_dims!r} and {args.first_call_T}")
     chosen = [s for s in SECTIONS if (not args.sections or s in args.sections.split(",")) and s not in args.skip.split(",")]
     if not CUDA and not args.cpu_smoke:
         ap.error("no CUDA device: use --selftest or --cpu-smoke on a machine without a GPU")
@@ -1235,8 +1258,9 @@ def main():
     fc_state = {}
 
     def start_first_call():
-        shape = ({"B": 1, "T": 64, "H": 2} if smoke else {"B": 4, "T": 2048, "H": 16})
-        variants = first_call_variants(dims=(16,) if smoke else ((64,) if args.quick else (32, 64, 128)))
+        shape = ({"B": 1, "T": 64, "H": 2} if smoke else {"B": 4, "T": args.first_call_T, "H": 16})
+        variants = first_call_variants(dims=(16,) if smoke else ((64,) if args.quick else fc_dims),
+                                       dtypes=fc_dtypes, flags=fc_flags)
         # at least a minute for this section even when the run is behind its budget
         deadline = time.perf_counter() + max(left_s(), 60.0)
         jobs = min(args.first_call_jobs, 2) if smoke else args.first_call_jobs

@@ -16,8 +16,12 @@ drained every 16 calls, outside the timed part):
 * launches: each kernel the call launches, replayed alone as ``kernel[grid](**arguments)`` with the
   call's own arguments (Triton's launcher: heuristics, argument binding and specialization, the
   cache lookup, the driver call; CUDA only);
-* rest: call - own - the launches (the public function's checks, ``compile_ahead``'s lookup, the
-  difference of timing pieces apart);
+* checks: call - the chunked function launching its kernels (the public function's checks and
+  ``compile_ahead``'s lookup);
+* in the call: each launch timed where the call makes it (the backward's on autograd's device
+  thread), by a ``launch`` that times ``kernel[grid](**arguments)``;
+* rest: call - checks - own - the launches in the call: what running real kernels adds to the
+  call's own host work beyond their launches (the autograd engine, the allocator);
 * a cProfile of ``--calls`` public calls (on CPU: of the chunked calls), the functions with the most
   own time, microseconds per call.
 
@@ -37,6 +41,7 @@ import os
 import platform
 import pstats
 import sys
+import time
 
 import torch
 
@@ -46,6 +51,7 @@ for p in (ROOT, os.path.join(ROOT, "benchmarks")):
         sys.path.insert(0, p)
 
 from bench_hla2 import CUDA, fwd_bwd, fwd_only, host_us, make_gates, make_inputs, sync  # noqa: E402
+from hla_fast.ops.common.compile import launch_kernel  # noqa: E402
 from profile_kernels import CASES_HELP, checked_cases  # noqa: E402
 from records import portable, record_parser, render_stored, stamp, write_record  # noqa: E402
 
@@ -64,6 +70,18 @@ def kernel_name(kernel) -> str:
 
 def nothing(kernel, grid, **kwargs):
     """A ``launch`` that launches nothing."""
+
+
+class LaunchTimer:
+    """A ``launch`` that launches and keeps each launch's microseconds in ``us`` (in call order)."""
+
+    def __init__(self):
+        self.us = []
+
+    def __call__(self, kernel, grid, **kwargs):
+        t0 = time.perf_counter()
+        kernel[grid](**kwargs)
+        self.us.append((time.perf_counter() - t0) * 1e6)
 
 
 class Keeper:
@@ -136,15 +154,20 @@ def measure_case(op, D, T, gated, normalize, calls, all_parts=CUDA):
     # bench_hla2's closures: under no_grad, or forward + backward on leaves that require grad
     for name, closure in (("fwd", lambda fn: fwd_only(fn, xs)), ("fwdbwd", lambda fn: fwd_bwd(fn, xs, do))):
         own = closure(chunked_with(nothing))
-        row = {"own_us": host_us(own, calls), "call_us": None, "launches_us": None, "rest_us": None}
+        row = {"own_us": host_us(own, calls), "call_us": None, "checks_us": None, "launches_us": None,
+               "in_call_us": None, "rest_us": None}
         if all_parts:
             call = closure(public)
             row["call_us"] = host_us(call, calls)
+            row["checks_us"] = row["call_us"] - host_us(closure(chunked_with(launch_kernel)), calls)
             keep = Keeper()
             closure(chunked_with(keep))()
             row["launches_us"] = [[kernel_name(kern), host_us(lambda: kern[grid](**kw), calls)]
                                   for kern, grid, kw in keep.launches]
-            row["rest_us"] = row["call_us"] - row["own_us"] - sum(us for _, us in row["launches_us"])
+            timer, m = LaunchTimer(), len(keep.launches)
+            host_us(closure(chunked_with(timer)), calls)   # calls + 1 calls of m launches each
+            row["in_call_us"] = [sorted(timer.us[i::m])[len(timer.us[i::m]) // 2] for i in range(m)]
+            row["rest_us"] = row["call_us"] - row["checks_us"] - row["own_us"] - sum(row["in_call_us"])
             row["profile"] = profile_rows(call, calls)
         else:
             row["profile"] = profile_rows(own, calls)
@@ -165,26 +188,47 @@ def render_markdown(res):
              "synchronize (`benchmarks/host_work.py`).", "",
              "call: the public call. own: the operator's chunked function with a launch that launches "
              "nothing (the rule, allocations, autograd). launches: each kernel replayed alone with the "
-             "call's arguments (Triton's launcher). rest: call - own - launches (the checks, the "
-             "compile-ahead lookup).", ""]
+             "call's arguments (Triton's launcher)."]
+    if any("in_call_us" in c["fwd"] for c in res["cases"]):
+        lines[-1] += (" checks: call - the chunked function launching its kernels (the public checks, the "
+                      "compile-ahead lookup). in the call: the same launches timed where the call makes them "
+                      "(the backward's on autograd's thread). rest: call - checks - own - launches in the call "
+                      "(what real kernels add beyond their launches: the autograd engine, the allocator).")
+    else:
+        lines[-1] += " rest: call - own - launches (the checks, the compile-ahead lookup)."
+    lines.append("")
     if res.get("notes"):
         lines += [f"- {n}" for n in res["notes"]] + [""]
-    lines += ["| case | pass | call | own | launches | rest |", "|---|---|---|---|---|---|"]
+    split = any("in_call_us" in c["fwd"] for c in res["cases"])
+    if split:
+        lines += ["| case | pass | call | checks | own | launches | in the call | rest |",
+                  "|---|---|---|---|---|---|---|---|"]
+    else:
+        lines += ["| case | pass | call | own | launches | rest |", "|---|---|---|---|---|---|"]
     for c in res["cases"]:
         flags = (":g" if c["gated"] else "") + (":n" if c["normalize"] else "")
         for p in ("fwd", "fwdbwd"):
             r = c[p]
             ls = r["launches_us"]
             launches = "-" if ls is None else f"{sum(us for _, us in ls):.0f} ({len(ls)})"
-            lines.append(f"| {c['op']}:{c['K']}:{c['T']}{flags} | {p} | {_us(r['call_us'])} | {_us(r['own_us'])} "
-                         f"| {launches} | {_us(r['rest_us'])} |")
+            cells = [f"{c['op']}:{c['K']}:{c['T']}{flags}", p, _us(r["call_us"])]
+            if split:
+                cells.append(_us(r["checks_us"]))
+            cells += [_us(r["own_us"]), launches]
+            if split:
+                cells.append("-" if r["in_call_us"] is None else f"{sum(r['in_call_us']):.0f}")
+            lines.append("| " + " | ".join(cells + [_us(r["rest_us"])]) + " |")
     lines.append("")
     for c in res["cases"]:
         flags = (", gates g" if c["gated"] else "") + (", normalized" if c["normalize"] else "")
         for p in ("fwd", "fwdbwd"):
             r = c[p]
             lines += [f"## {c['op']}{flags}, K = V = {c['K']}, T = {c['T']}, {p}", ""]
-            if r["launches_us"] is not None:
+            if r["launches_us"] is not None and r.get("in_call_us") is not None:
+                lines += ["| kernel | launch us alone | in the call |", "|---|---|---|"]
+                lines += [f"| `{n}` | {us:.1f} | {inc:.1f} |"
+                          for (n, us), inc in zip(r["launches_us"], r["in_call_us"])] + [""]
+            elif r["launches_us"] is not None:
                 lines += ["| kernel | launch us |", "|---|---|"]
                 lines += [f"| `{n}` | {us:.1f} |" for n, us in r["launches_us"]] + [""]
             lines += [f"Own time per call, the {TOP} largest (cProfile; its overhead inflates every row):", "",

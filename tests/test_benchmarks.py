@@ -89,7 +89,11 @@ def load(name):
                                           ("bench_ahla", "ahla_h200_chunk128_calls"),
                                           ("walk_rows", "ahla_h200_chunk128"),
                                           ("compile_report", "compile_ahla_bf16_k128_fwd_chunk128_w8_stages2_cpu"),
-                                          ("bf16_gradients", "bf16_gradients_cpu")])
+                                          ("bf16_gradients", "bf16_gradients_cpu"),
+                                          ("host_work", "host_work_h100"),
+                                          ("bench_hla2", "hla2_h100_short_final"),
+                                          ("host_work", "host_work_h100_in_call"),
+                                          ("bench_hla2", "hla2_h100_first_call_layers_den_pass")])
 def test_recorded_markdown_is_rendered_from_its_json(script, stem):
     with open(os.path.join(RESULTS, stem + ".json")) as f:
         res = json.load(f)
@@ -340,6 +344,28 @@ def test_first_call_refuses_a_config_that_is_not_an_object():
     assert run.returncode == 2 and "--config: expected a JSON object of ChunkConfig fields" in run.stderr
 
 
+def test_bench_hla2_first_calls_named_on_the_command_line(tmp_path):
+    """--first-call-dtypes / --first-call-flags choose the first-call variants (the smoke run's
+    head size and shape are its own); a value outside the known ones is refused by option name."""
+    script = os.path.join(ROOT, "benchmarks", "bench_hla2.py")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, script, "--cpu-smoke", "--sections", "first_call", "--first-call-dtypes",
+                          "bf16", "--first-call-flags", "normalize,g", "--out", str(tmp_path), "--tag", "t"],
+                         capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads((tmp_path / "hla2_t.json").read_text())["first_call"]
+    assert sorted((r["dtype"], r["flag"], r["status"]) for r in rows) == [("bf16", "g", "ok"),
+                                                                        ("bf16", "normalize", "ok")]
+    assert all(r["fwdbwd_s"] > 0 for r in rows)
+    for option, value, message in (("--first-call-flags", "gamma,gates", "--first-call-flags takes a comma list"),
+                                   ("--first-call-dtypes", "fp16", "--first-call-dtypes takes a comma list"),
+                                   ("--first-call-dims", "64,x", "--first-call-dims takes positive head sizes"),
+                                   ("--first-call-T", "0", "--first-call-T a positive length")):
+        bad = subprocess.run([sys.executable, script, "--cpu-smoke", option, value, "--out", str(tmp_path)],
+                             capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+        assert bad.returncode == 2 and message in bad.stderr, (option, bad.stderr[-500:])
+
+
 def test_short_layouts_refuses_wide_heads_and_needs_cuda():
     script = os.path.join(ROOT, "benchmarks", "short_layouts.py")
     run = subprocess.run([sys.executable, script, "--dim", "128"], capture_output=True, text=True, timeout=300)
@@ -427,17 +453,21 @@ def test_host_work_splits_a_call_and_renders_its_record(tmp_path):
     assert len(fb["launches_us"]) > len(fwd["launches_us"])
     for r in (fwd, fb):
         assert r["own_us"] > 0 and r["call_us"] > 0 and all(us > 0 for _, us in r["launches_us"])
-        assert r["rest_us"] == pytest.approx(r["call_us"] - r["own_us"] - sum(us for _, us in r["launches_us"]))
+        # each launch timed where the call makes it too, in the call's order
+        assert len(r["in_call_us"]) == len(r["launches_us"]) and all(us > 0 for us in r["in_call_us"])
+        assert r["rest_us"] == pytest.approx(r["call_us"] - r["checks_us"] - r["own_us"] - sum(r["in_call_us"]))
         assert r["profile"] and all(us >= 0 for _, us in r["profile"])
     hw = load("host_work")
     assert (tmp_path / "host_work_t.md").read_text() == hw.render_markdown(res)
-    assert "| hla2:16:16:g | fwdbwd |" in hw.render_markdown(res)
+    md = hw.render_markdown(res)
+    assert "| hla2:16:16:g | fwdbwd |" in md and "| call | checks | own | launches | in the call | rest |" in md
     plain = subprocess.run([sys.executable, script, "--out", str(tmp_path), "--tag", "c", "--calls", "2",
                             "--cases", "ahla:16:16:n"], capture_output=True, text=True, timeout=600, cwd=ROOT,
                            env=dict(env, TRITON_INTERPRET="0"))
     assert plain.returncode == 0, plain.stderr
     (case,) = json.loads((tmp_path / "host_work_c.json").read_text())["cases"]
     assert case["fwd"]["own_us"] > 0 and case["fwdbwd"]["call_us"] is None and case["fwd"]["launches_us"] is None
+    assert case["fwd"]["checks_us"] is None and case["fwdbwd"]["in_call_us"] is None
     for args, msg in ((["--calls", "0"], "--calls must be >= 1"), (["--cases", "hla2:16"], "--cases: expected"),
                       (["--all-parts"], "set TRITON_INTERPRET=1")):
         bad = subprocess.run([sys.executable, script, "--out", str(tmp_path), *args], capture_output=True, text=True,
