@@ -944,13 +944,14 @@ def main():
     unknown = set(filter(None, (args.skip + "," + args.sections).split(","))) - set(SECTIONS)
     if unknown:
         ap.error(f"unknown sections {sorted(unknown)}; known: {','.join(SECTIONS)}")
-    fc_dtypes, fc_flags = args.first_call_dtypes.split(","), args.first_call_flags.split(",")
+    # each named once, in the order given (a repeated name would time the same first call twice)
+    fc_dtypes, fc_flags = (list(dict.fromkeys(x.split(","))) for x in (args.first_call_dtypes, args.first_call_flags))
     for name, given, known in (("--first-call-dtypes", fc_dtypes, FIRST_CALL_DTYPES),
                                ("--first-call-flags", fc_flags, FIRST_CALL_FLAGS)):
         if not given or set(given) - set(known):
             ap.error(f"{name} takes a comma list of {','.join(known)}; got {','.join(given)!r}")
     try:
-        fc_dims = int_list(args.first_call_dims, [])
+        fc_dims = list(dict.fromkeys(int_list(args.first_call_dims, [])))
     except ValueError:
         fc_dims = []
     if not fc_dims or min(fc_dims) < 1 or args.first_call_T < 1:

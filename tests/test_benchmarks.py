@@ -345,12 +345,12 @@ def test_first_call_refuses_a_config_that_is_not_an_object():
 
 
 def test_bench_hla2_first_calls_named_on_the_command_line(tmp_path):
-    """--first-call-dtypes / --first-call-flags choose the first-call variants (the smoke run's
-    head size and shape are its own); a value outside the known ones is refused by option name."""
+    """--first-call-dtypes / --first-call-flags choose the first-call variants, each once (the smoke
+    run's head size and shape are its own); a value outside the known ones is refused by option name."""
     script = os.path.join(ROOT, "benchmarks", "bench_hla2.py")
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, script, "--cpu-smoke", "--sections", "first_call", "--first-call-dtypes",
-                          "bf16", "--first-call-flags", "normalize,g", "--out", str(tmp_path), "--tag", "t"],
+                          "bf16", "--first-call-flags", "normalize,g,normalize", "--out", str(tmp_path), "--tag", "t"],
                          capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads((tmp_path / "hla2_t.json").read_text())["first_call"]
