@@ -40,6 +40,7 @@ import cProfile
 import os
 import platform
 import pstats
+import statistics
 import sys
 import time
 
@@ -166,7 +167,7 @@ def measure_case(op, D, T, gated, normalize, calls, all_parts=CUDA):
                                   for kern, grid, kw in keep.launches]
             timer, m = LaunchTimer(), len(keep.launches)
             host_us(closure(chunked_with(timer)), calls)   # calls + 1 calls of m launches each
-            row["in_call_us"] = [sorted(timer.us[i::m])[len(timer.us[i::m]) // 2] for i in range(m)]
+            row["in_call_us"] = [statistics.median_high(timer.us[i::m]) for i in range(m)]
             row["rest_us"] = row["call_us"] - row["checks_us"] - row["own_us"] - sum(row["in_call_us"])
             row["profile"] = profile_rows(call, calls)
         else:
@@ -189,7 +190,8 @@ def render_markdown(res):
              "call: the public call. own: the operator's chunked function with a launch that launches "
              "nothing (the rule, allocations, autograd). launches: each kernel replayed alone with the "
              "call's arguments (Triton's launcher)."]
-    if any("in_call_us" in c["fwd"] for c in res["cases"]):
+    split = any("in_call_us" in c["fwd"] for c in res["cases"])   # records before the split have no such field
+    if split:
         lines[-1] += (" checks: call - the chunked function launching its kernels (the public checks, the "
                       "compile-ahead lookup). in the call: the same launches timed where the call makes them "
                       "(the backward's on autograd's thread). rest: call - checks - own - launches in the call "
@@ -199,7 +201,6 @@ def render_markdown(res):
     lines.append("")
     if res.get("notes"):
         lines += [f"- {n}" for n in res["notes"]] + [""]
-    split = any("in_call_us" in c["fwd"] for c in res["cases"])
     if split:
         lines += ["| case | pass | call | checks | own | launches | in the call | rest |",
                   "|---|---|---|---|---|---|---|---|"]
