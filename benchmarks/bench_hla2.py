@@ -24,15 +24,17 @@ Sections (default order; ``--skip a,b`` drops some, ``--sections a,b`` runs only
     accuracy    relative error against the float64 torch path, fp32 and bf16, T 1k..32k
     first_call  seconds of the first forward + backward of a fresh process with an empty Triton
                 cache (compile included), bf16/fp32 x K=V 32/64/128 x gamma/g/normalize, run as
-                parallel subprocesses of benchmarks/first_call.py with a timeout each; overlapped
-                with the accuracy section (which times nothing) unless --no-overlap
+                subprocesses of benchmarks/first_call.py with a timeout each, one at a time unless
+                --first-call-jobs says more; overlapped with the accuracy section (which times
+                nothing) unless --no-overlap
 
 The JSON is saved after every row, the markdown after every section, so a run cut short keeps what
 it measured. The ``targets`` section lists every target, met or not, with the numbers behind it.
 
-    python benchmarks/bench_hla2.py --out benchmarks/results --tag h200      # the H200 run (~7 min)
+    python benchmarks/bench_hla2.py --out benchmarks/results --tag h200      # every section (some 15 min)
     python benchmarks/bench_hla2.py --quick                                  # small sizes, GPU smoke run
     python benchmarks/bench_hla2.py --selftest                               # pure functions, no GPU
+    python benchmarks/bench_hla2.py --merge a.json,b.json:decode+wide --tag ab  # runs of other sections as one
     python benchmarks/bench_hla2.py --cpu-smoke --out smoke-results           # every section on the CPU
                                                   # under the Triton interpreter, tiny shapes (no timing value)
 """
@@ -571,7 +573,7 @@ def targets(res):
         f"< {FIRST_CALL_MAX_S}", met, worst_s=max(ok) if ok else None, seconds=secs)
     r = rows.get((64, Tt), {})
     sp = {s: _ratio(r.get(f"torch_backend_{s}_ms"), r.get(f"hla_fast_{s}_ms")) for s in ("fwd", "fwdbwd")}
-    t["speedup_vs_torch_backend"] = _target(f"(kept from earlier runs) >= 10x the torch backend, K=V=64, T={Tt}",
+    t["speedup_vs_torch_backend"] = _target(f">= 10x the torch backend, K=V=64, T={Tt}",
                                             ">= 10", None if None in sp.values() else all(x >= 10 for x in sp.values()),
                                             **sp)
     return t
@@ -603,6 +605,14 @@ def render_markdown(res):
     if c:
         lines += [f"Ceilings: bf16 matmul {c.get('bf16_matmul_tflops', 0):.0f} TFLOP/s, "
                   f"copy {c.get('copy_gbs', 0):.0f} GB/s.", ""]
+    if res.get("merged_from"):
+        lines += ["Merged from runs of the same code on this device (each section and its baselines from one "
+                  "process; the ceilings above from the run of `main`):", ""]
+        for m in res["merged_from"]:
+            mc = m.get("ceilings") or {}
+            lines.append(f"- `{m['record']}` ({m.get('date')}): {', '.join(m['sections'])}; ceilings "
+                         f"{mc.get('bf16_matmul_tflops', 0):.0f} TFLOP/s, {mc.get('copy_gbs', 0):.0f} GB/s")
+        lines.append("")
     t = res.get("targets") or targets(res)
     if t:
         lines += ["## Targets", "", "| target | goal | result | numbers |", "|---|---|---|---|"]
@@ -771,6 +781,65 @@ def write_report(res, out, tag, show=True):
     return md
 
 
+# what each section writes into a record beside its timing (``shapes``: the main table's sizes)
+SECTION_KEYS = {"decode": ("decode",), "main": ("main", "shapes"), "short": ("short",), "memory": ("memory",),
+                "wide": ("wide",), "profile": ("profile", "profile_status"),
+                "variants": ("variants", "variant_defaults"), "accuracy": ("accuracy",),
+                "first_call": ("first_call", "first_call_setup")}
+
+
+def merge_records(records):
+    """One record from ``records`` = [(name, result dict, sections or None)]: runs of the same code
+    on one device that each timed other sections (a run has a section when its ``timing`` names
+    it; ``sections`` takes only those of a run), so that every target lands in one results file
+    although no single process could time them all within a call's time limit. Each target still
+    compares numbers of one process (a section's rows and their baselines come from the run that
+    timed the section). The ceilings are those of the run that timed ``main`` (its TFLOP/s
+    fractions), else the first run's; ``merged_from`` keeps each run's name, date, the sections
+    taken, ceilings and arguments.
+
+    Raises ValueError naming the records when two give the same section, a run is asked for a
+    section it did not time, or their devices or versions differ (numbers of different machines or
+    installs do not belong in one record)."""
+    if len(records) < 2:
+        raise ValueError(f"--merge takes two or more records, got {len(records)}")
+    first = records[0][1]
+    owner, taken = {}, {}
+    for name, r, only in records:
+        for field in ("device", "versions"):
+            if r.get(field) != first.get(field):
+                raise ValueError(f"records {records[0][0]} and {name} differ in {field}: "
+                                 f"{first.get(field)!r} against {r.get(field)!r}")
+        timed = [s for s in (r.get("timing") or {}) if s != "total"]
+        missing = sorted(set(only or ()) - set(timed))
+        if missing:
+            raise ValueError(f"record {name} did not time {', '.join(missing)} (it timed {', '.join(timed)})")
+        taken[name] = [s for s in timed if only is None or s in only]
+        for sec in taken[name]:
+            if sec in owner:
+                raise ValueError(f"section {sec} was timed by both {owner[sec]} and {name}: merge runs of other sections")
+            owner[sec] = name
+    by_name = {name: r for name, r, _ in records}
+    main_run = by_name[owner["main"]] if "main" in owner else first
+    res = {"device": first.get("device"), "sms": first.get("sms"), "cpus": first.get("cpus"),
+           "versions": first.get("versions"), "date": max(r.get("date") or "" for _, r, _ in records),
+           "dtype": first.get("dtype"), "ceilings": main_run.get("ceilings"), "notes": first.get("notes"),
+           "merged_from": [{"record": name, "date": r.get("date"), "ceilings": r.get("ceilings"), "args": r.get("args"),
+                            "sections": taken[name]} for name, r, _ in records],
+           "timing": {}, "errors": {}}
+    for sec in SECTIONS:
+        if sec not in owner:
+            continue
+        run = by_name[owner[sec]]
+        for key in SECTION_KEYS[sec]:
+            if key in run:
+                res[key] = run[key]
+        res["timing"][sec] = run["timing"][sec]
+        if sec in (run.get("errors") or {}):
+            res["errors"][sec] = run["errors"][sec]
+    return res
+
+
 NOTES = [
     "Timings are medians of triton.testing.do_bench (warmup 10 ms, rep 50 ms; L2 flushed before each call; "
     "three CUDA-event timings for calls over 200 ms) of the whole Python call: hla2()'s checks, configuration "
@@ -781,8 +850,9 @@ NOTES = [
     "FLOPs are counted with the chunk size the default config uses for the forward (hla2_flop_chunk: 64 at "
     "K=V<=64, 32 above).",
     "Log-gates g are checked for shape, dtype and device on CUDA; their values (<= 0, finite) only off CUDA, since reading the check back would synchronize the device every call (hla_fast/ops/common/checks.py, check_gates).",
-    "First-call rows run in parallel subprocesses (first_call_setup.jobs at a time) while the accuracy section "
-    "runs (unless --no-overlap): the compile times include that sharing of the CPUs, so they are an upper side.",
+    "First-call rows run as subprocesses (first_call_setup.jobs at a time; each compiles its kernels in parallel "
+    "threads) while the accuracy section runs (unless --no-overlap): more than one at a time share the CPUs, and "
+    "the compile times are then an upper side of a user's.",
 ]
 
 
@@ -920,8 +990,9 @@ def main():
     ap.add_argument("--sections", default="", help="comma list of the only sections to run")
     ap.add_argument("--budget-s", type=float, default=420.0,
                     help="seconds for the whole run: variants stop early and first-call timeouts shrink to fit")
-    ap.add_argument("--first-call-jobs", type=int, default=12,
-                    help="parallel first-call subprocesses (one CPU core each: Triton compiles in the calling thread)")
+    ap.add_argument("--first-call-jobs", type=int, default=1,
+                    help="first-call subprocesses at a time (default 1: each call compiles its kernels in parallel "
+                         "threads, so concurrent subprocesses share the CPUs and each takes longer than a user's)")
     ap.add_argument("--first-call-timeout", type=float, default=150.0, help="seconds per first-call subprocess")
     ap.add_argument("--first-call-T", type=int, default=2048,
                     help="T of the first-call shape (B = 4, H = 16); 8192 times bf16 heads of 64 as first-order layers")
@@ -933,9 +1004,29 @@ def main():
                     help="seconds the variants section leaves for accuracy + first_call")
     ap.add_argument("--no-overlap", action="store_true", help="run the first-call subprocesses after accuracy")
     ap.add_argument("--from-json", default=None, help="only rebuild the report from a results JSON")
+    ap.add_argument("--merge", default=None,
+                    help="comma list of results JSONs of the same code and device, each of other sections "
+                         "(PATH:a+b takes only sections a and b of one): write them as one record hla2_<tag> "
+                         "(merge_records)")
     args = ap.parse_args()
     if args.selftest:
         selftest()
+        return
+    if args.merge:
+        records = []
+        for item in filter(None, args.merge.split(",")):
+            p, _, only = item.partition(":")
+            unknown = set(filter(None, only.split("+"))) - set(SECTIONS)
+            if unknown:
+                ap.error(f"--merge {item}: unknown sections {sorted(unknown)}; known: {','.join(SECTIONS)}")
+            with open(p) as f:
+                records.append((os.path.splitext(os.path.basename(p))[0], json.load(f), only.split("+") if only else None))
+        try:
+            merged = merge_records(records)
+        except ValueError as e:
+            ap.error(str(e))
+        os.makedirs(args.out, exist_ok=True)
+        write_report(merged, args.out, args.tag, show=False)
         return
     if args.from_json:
         with open(args.from_json) as f:

@@ -93,7 +93,13 @@ def load(name):
                                           ("host_work", "host_work_h100"),
                                           ("bench_hla2", "hla2_h100_short_final"),
                                           ("host_work", "host_work_h100_in_call"),
-                                          ("bench_hla2", "hla2_h100_first_call_layers_den_pass")])
+                                          ("bench_hla2", "hla2_h100_first_call_layers_den_pass"),
+                                          ("bench_hla2", "hla2_h100_final"),
+                                          ("bench_hla2", "hla2_h100_final_main_short"),
+                                          ("bench_hla2", "hla2_h100_final_rest"),
+                                          ("bench_hla2", "hla2_h100_final_rest_12_jobs"),
+                                          ("bench_hla2", "hla2_h100_final_first_call_alone"),
+                                          ("bench_hla2", "hla2_h100_final_first_call_layers")])
 def test_recorded_markdown_is_rendered_from_its_json(script, stem):
     with open(os.path.join(RESULTS, stem + ".json")) as f:
         res = json.load(f)
@@ -492,3 +498,51 @@ def test_fp16_range_records_the_first_non_finite_token(tmp_path):
                          text=True, timeout=300, cwd=ROOT)
     assert bad.returncode == 2 and "--T must be >= 1" in bad.stderr
 
+
+
+def test_bench_hla2_merges_runs_of_other_sections_into_one_record(tmp_path):
+    """``--merge``: two runs of other sections make one record whose targets are those of the whole
+    run they split; a section timed twice, or runs of different devices, are refused by name."""
+    bench = load("bench_hla2")
+    full = bench.fake_results()
+    rest = ("decode", "short", "memory", "wide", "accuracy", "first_call")
+    a = {k: v for k, v in full.items() if k not in rest + ("first_call_setup",)}
+    a.update(timing={"main": 10.0, "total": 12.0}, date="1970-01-01T00:00:00+00:00")
+    b = {k: v for k, v in full.items() if k not in ("main", "shapes", "profile", "variants")}
+    b.update(timing=dict({s: 1.0 for s in rest}, total=7.0), date="1970-01-02T00:00:00+00:00",
+             ceilings={"bf16_matmul_tflops": 1.0, "copy_gbs": 2.0})
+    paths = []
+    for name, r in (("hla2_a", a), ("hla2_b", b)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(r))
+        paths.append(str(tmp_path / f"{name}.json"))
+    script = os.path.join(ROOT, "benchmarks", "bench_hla2.py")
+    run = subprocess.run([sys.executable, script, "--merge", ",".join(paths), "--out", str(tmp_path), "--tag", "ab"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    merged = json.loads((tmp_path / "hla2_ab.json").read_text())
+    want = bench.targets(full)
+    # every target decided as in the unsplit run, with the same numbers (JSON turns int keys to str)
+    assert json.loads(json.dumps(merged["targets"])) == json.loads(json.dumps(want))
+    assert merged["ceilings"] == a["ceilings"] and merged["date"] == b["date"]
+    assert [(m["record"], m["sections"]) for m in merged["merged_from"]] == [("hla2_a", ["main"]), ("hla2_b", list(rest))]
+    assert set(merged["timing"]) == {"main", *rest}
+    md = (tmp_path / "hla2_ab.md").read_text()
+    assert md == bench.render_markdown(merged) and "- `hla2_b` (1970-01-02T00:00:00+00:00): decode, short" in md
+    # sections named after a record's path: only those are taken from it
+    twice = dict(b, timing={"main": 1.0, "decode": 1.0, "short": 1.0})
+    picked = bench.merge_records([("hla2_a", a, None), ("hla2_c", twice, ["decode", "short"])])
+    assert picked["merged_from"][1]["sections"] == ["decode", "short"] and set(picked["timing"]) == {"main", "decode", "short"}
+    assert picked["main"] == a["main"] and picked["short"] == b["short"] and "memory" not in picked
+    other = dict(b, device="another")
+    c = str(tmp_path / "hla2_c.json")
+    for bad, suffix, msg in ((twice, "", "section main was timed by both hla2_a and hla2_c"),
+                             (other, "", "records hla2_a and hla2_c differ in device"),
+                             (twice, ":memory", "record hla2_c did not time memory"),
+                             (twice, ":decode+mian", "unknown sections ['mian']")):
+        (tmp_path / "hla2_c.json").write_text(json.dumps(bad))
+        run = subprocess.run([sys.executable, script, "--merge", f"{paths[0]},{c}{suffix}",
+                              "--out", str(tmp_path), "--tag", "bad"], capture_output=True, text=True, timeout=300,
+                             cwd=ROOT)
+        assert run.returncode == 2 and msg in run.stderr, run.stderr
+    with pytest.raises(ValueError, match="two or more records"):
+        bench.merge_records([("hla2_a", a, None)])
