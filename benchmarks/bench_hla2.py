@@ -757,6 +757,18 @@ def render_markdown(res):
         if errs:
             lines += [""] + [f"- error {r.get('dtype')} K={r.get('K')} {r.get('flag')}: "
                              f"{str(r.get('error', ''))[-300:]!r}" for r in errs]
+        logged = sorted((r for r in fc if r.get("compiles")), key=lambda r: (r["dtype"], r["K"], r["flag"]))
+        if logged:
+            lines += ["", "Compiles of each first call (Triton's compilation listener; they run in parallel threads, "
+                          "so the call waits for the slowest): the slowest with its stages (s), and when the last "
+                          "one ended, seconds into the call:", ""]
+            for r in logged:
+                cs = r["compiles"]
+                top = max(cs, key=lambda c: c["s"])
+                stages = ", ".join(f"{k_} {v_:.1f}" for k_, v_ in top["stages"].items())
+                lines.append(f"- {r['dtype']} K={r['K']} {r['flag']}: {len(cs)} compiles ({sum(c['s'] for c in cs):.1f} s "
+                             f"in all), slowest `{top['kernel']}` {top['s']:.1f} s ({stages}); the last ended at "
+                             f"{max(c['end_s'] for c in cs):.1f} s (forward {_fmt(r.get('fwd_s'), 1)} s)")
         lines.append("")
     if res.get("timing"):
         lines += ["## Run time per section (s)", "", ", ".join(f"{k_} {v_:.0f}" for k_, v_ in res["timing"].items()), ""]
@@ -902,6 +914,11 @@ def fake_results():
     res["first_call"] = [dict(v, V=v["K"], status="ok", fwd_s=3.0, bwd_s=5.0, fwdbwd_s=8.0 + v["K"] / 16)
                          for v in first_call_variants()]
     res["first_call"][0]["status"] = "timeout"
+    res["first_call"][1]["compiles"] = [
+        {"kernel": "hla2_fwd_kernel", "s": 4.0, "stages": {"ir": 0.2, "ttir": 0.3, "cubin": 3.5}, "cache_hit": False,
+         "end_s": 4.5},
+        {"kernel": "hla2_bwd_grad_kernel", "s": 6.0, "stages": {"ir": 0.3, "ttir": 0.4, "cubin": 5.3},
+         "cache_hit": False, "end_s": 6.4}]
     res["first_call_setup"] = {"jobs": 12, "cpus": 16, "timeout_s": 150, "B": 4, "T": 2048, "H": 16}
     return res
 
@@ -937,6 +954,8 @@ def selftest():
                      "## Training memory", "## Wide heads", "## Decode", "## CUDA time per kernel", "## Layouts",
                      "## Accuracy", "## First call", "## Notes"):
             assert head in md, head
+        assert "2 compiles (10.0 s in all), slowest `hla2_bwd_grad_kernel` 6.0 s (ir 0.3, ttir 0.4, cubin 5.3); " \
+               "the last ended at 6.4 s" in md
         assert md.count("| NOT met |") + md.count("| met |") + md.count("| not measured |") == len(want)
         render_markdown({"device": "x", "date": "y", "versions": {}})  # every section missing
         write_report({"device": "x", "date": "y", "versions": {}}, d, "empty", show=False)

@@ -9,6 +9,9 @@ inside the timed call. Prints one line ``FIRST_CALL_JSON {...}`` with the second
     bwd_s           the first o.backward(do) (compiles the backward)
     fwdbwd_s        fwd_s + bwd_s: the first training call
     warm_fwdbwd_s   the same fwd + bwd again (kernels cached in memory): what is left is not compile
+    compiles        each kernel compiled in the process, where Triton reports compiles (its
+                    compilation listener): kernel, seconds, seconds of each stage, and when it
+                    ended (end_s, seconds since the first call started; negative: before it)
 
 The inputs are created, and a torch op run on them, before the clock starts, so CUDA context
 creation is not counted. On a machine without CUDA it runs the kernels under the Triton interpreter
@@ -36,6 +39,28 @@ for _p in (ROOT, os.path.join(ROOT, "benchmarks")):   # hla_fast, and config_arg
         sys.path.insert(0, _p)
 
 from config_arg import HELP, config_changes  # noqa: E402  (no torch: the import is timed below)
+
+
+def compile_log(clock):
+    """A list that fills with one entry per kernel compile of this process (``compiles`` above),
+    through Triton's compilation listener; None where this Triton has none. ``clock()`` gives the
+    seconds that ``end_s`` counts. The first call compiles its kernels in parallel threads, so
+    the slowest compile, not their sum, is what it waits for."""
+    import triton
+
+    comp = getattr(getattr(triton, "knobs", None), "compilation", None)
+    if comp is None or not hasattr(comp, "listener"):
+        return None
+    log = []
+
+    def listen(*, src, metadata, metadata_group, times, cache_hit, **_):
+        stages = {"ir": getattr(times, "ir_initialization", getattr(times, "prologue", 0)) / 1e6}
+        stages.update({ext: us / 1e6 for ext, us in getattr(times, "lowering_stages", ())})
+        log.append({"kernel": getattr(src, "name", None), "s": times.total / 1e6, "stages": stages,
+                    "cache_hit": bool(cache_hit), "end_s": clock()})
+
+    comp.listener = listen
+    return log
 
 
 def main():
@@ -84,6 +109,8 @@ def main():
     out["config"] = str(cfg or rule)
     float((leaves[0].float().sum() + leaves[3].sum()).item())  # a torch op on the device first
     sync()
+    started = {"t": time.perf_counter()}
+    compiles = compile_log(lambda: time.perf_counter() - started["t"])
 
     def call():
         ql, kl, vl, gl = leaves
@@ -92,7 +119,7 @@ def main():
         return hla_fast.hla2(ql, kl, vl, gamma=0.999, normalize=args.flag == "normalize", backend="triton",
                              config=cfg)[0]
 
-    t0 = time.perf_counter()
+    t0 = started["t"] = time.perf_counter()
     o = call()
     sync()
     t1 = time.perf_counter()
@@ -111,6 +138,7 @@ def main():
     if cache and os.path.isdir(cache):  # kernels compiled into the fresh cache by this process
         out["cubins"] = sum(f.endswith(".cubin") for _, _, fs in os.walk(cache) for f in fs)
     out["process_s"] = time.perf_counter() - T_START
+    out["compiles"] = compiles
     print("FIRST_CALL_JSON " + json.dumps(out), flush=True)
 
 

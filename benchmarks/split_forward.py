@@ -7,9 +7,9 @@ keeping its own rule), e.g. the split forward (``fwd_output_pass``, ``fwd_row_bl
 a state walk storing every chunk's start state, then one program per chunk computing its outputs.
 Each layout runs in a subprocess, so that a layout that stops the GPU (an illegal memory access)
 costs only its own row. The rule is asked as the call asks it (training or not, gated or not), then
-changed. bf16, B=4, H=16, gamma=0.999 (``--gates``: log-gates that require grad), K in ``--dims``
-and V = K (``--V``: another value width; ``--normalize``: normalized, on |q| and |k|),
-T = ``--T``; medians of
+changed. bf16 (``--dtype fp32``: fp32 inputs), B=4, H=16, gamma=0.999 (``--gates``: log-gates that
+require grad), K in ``--dims`` and V = K (``--V``: another value width; ``--normalize``:
+normalized, on |q| and |k|), T = ``--T``; medians of
 triton.testing.do_bench (ms) of the whole call, forward under no_grad and forward + backward, the
 peak memory a forward + backward allocates beyond the inputs, and the relative difference of the
 layout's outputs (of the inference forward and of the training call) and gradients to the rule's
@@ -32,12 +32,14 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))   # scripts bes
 from config_arg import config_changes  # noqa: E402
 from records import portable  # noqa: E402
 
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}   # names of torch dtypes (torch is imported in the children)
 LAYOUTS = ('[{}, {"fwd_output_pass": true}, {"fwd_output_pass": true, "fwd_row_blocks": 2}, '
            '{"fwd_output_pass": true, "fwd_row_blocks": 2, "fwd_warps": 4}, '
            '{"fwd_output_pass": true, "fwd_segments": 1}]')
 
 
-def one(D: int, T: int, layout: str, op: str, gates: bool, V: int | None = None, normalize: bool = False) -> dict:
+def one(D: int, T: int, layout: str, op: str, gates: bool, V: int | None = None, normalize: bool = False,
+        dtype: str = "bf16") -> dict:
     """One layout's row (run in its own process)."""
     import torch
     from ab_revision import rule_config, time_call
@@ -45,7 +47,7 @@ def one(D: int, T: int, layout: str, op: str, gates: bool, V: int | None = None,
 
     import hla_fast
     gen = torch.Generator(device="cuda").manual_seed(D)
-    q, k, v = (0.3 * torch.randn(4, T, 16, n, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q, k, v = (0.3 * torch.randn(4, T, 16, n, device="cuda", dtype=getattr(torch, DTYPES[dtype]), generator=gen)
                for n in (D, D, V or D))
     if normalize:
         q, k = q.abs(), k.abs()
@@ -82,12 +84,13 @@ def main():
     ap.add_argument("--gates", action="store_true", help="log-gates g (that require grad) instead of gamma")
     ap.add_argument("--normalize", action="store_true", help="normalize=True (on |q| and |k|)")
     ap.add_argument("--V", type=int, default=None, help="value width (default: K)")
+    ap.add_argument("--dtype", default="bf16", choices=tuple(DTYPES), help="the inputs' dtype")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per layout's process")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)   # internal: one layout, as JSON
     args = ap.parse_args()
     if args.one is not None:
         D, layout = json.loads(args.one)
-        print(json.dumps(one(D, args.T, layout, args.op, args.gates, args.V, args.normalize)))
+        print(json.dumps(one(D, args.T, layout, args.op, args.gates, args.V, args.normalize, args.dtype)))
         return
     layouts = [json.dumps(x) for x in json.loads(args.layouts)]
     rows = []
@@ -97,6 +100,7 @@ def main():
             cmd += ["--gates"] if args.gates else []
             cmd += ["--normalize"] if args.normalize else []
             cmd += ["--V", str(args.V)] if args.V else []
+            cmd += ["--dtype", args.dtype]
             try:
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
                 lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
@@ -110,7 +114,7 @@ def main():
     import triton
     res = {"device": torch.cuda.get_device_name(0), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "versions": {"torch": torch.__version__, "triton": triton.__version__}, "op": args.op,
-        "shape": {"B": 4, "T": args.T, "H": 16, "dtype": "bfloat16", "gamma": None if args.gates else 0.999},
+        "shape": {"B": 4, "T": args.T, "H": 16, "dtype": DTYPES[args.dtype], "gamma": None if args.gates else 0.999},
         "gates": args.gates, "normalize": args.normalize, "V": args.V, "rows": rows}
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(res, indent=1) + "\n")

@@ -546,3 +546,51 @@ def test_bench_hla2_merges_runs_of_other_sections_into_one_record(tmp_path):
         assert run.returncode == 2 and msg in run.stderr, run.stderr
     with pytest.raises(ValueError, match="two or more records"):
         bench.merge_records([("hla2_a", a, None)])
+
+
+_COMPILE_LOG = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import first_call
+
+
+@triton.jit
+def twice(x_ptr, y_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(y_ptr + offs, 2 * tl.load(x_ptr + offs))
+
+
+t0 = time.perf_counter()
+log = first_call.compile_log(lambda: time.perf_counter() - t0)
+triton.compile(ASTSource(fn=twice, signature={"x_ptr": "*fp32", "y_ptr": "*fp32", "N": "constexpr"},
+                         constexprs={"N": 64}), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+print(json.dumps({"log": log, "elapsed": time.perf_counter() - t0}))
+"""
+
+
+def test_first_call_logs_each_compile_with_its_stages(tmp_path):
+    """first_call.compile_log: Triton's compilation listener (where this Triton has one) files one
+    entry per kernel compile, with its seconds, each stage's, and when it ended; compiled here for
+    sm_90 on the CPU in a fresh interpreter (no TRITON_INTERPRET: the interpreter compiles nothing)."""
+    cr = load("compile_report")
+    if not cr.has_cuda_compiler():
+        pytest.skip("needs triton's CUDA backend to compile for sm_90 without a GPU")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = tmp_path / "compile_log.py"   # a file: triton.jit reads its kernel's source
+    script.write_text(_COMPILE_LOG)
+    run = subprocess.run([sys.executable, str(script), os.path.join(ROOT, "benchmarks")], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT, env=dict(env, TRITON_CACHE_DIR=str(tmp_path / "cache")))
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    if got["log"] is None:
+        pytest.skip("this Triton has no compilation listener")
+    (entry,) = got["log"]
+    assert entry["kernel"] == "twice" and entry["cache_hit"] is False
+    assert 0 < entry["s"] <= got["elapsed"] and 0 < entry["end_s"] <= got["elapsed"]
+    # the stages account for the compile: make_ir and each lowering (ttir ... cubin)
+    assert {"ir", "ttir", "ttgir", "llir", "ptx", "cubin"} <= set(entry["stages"])
+    assert sum(entry["stages"].values()) == pytest.approx(entry["s"], rel=0.05)
