@@ -804,7 +804,7 @@ def merge_records(records):
     """One record from ``records`` = [(name, result dict, sections or None)]: runs of the same code
     on one device that each timed other sections (a run has a section when its ``timing`` names
     it; ``sections`` takes only those of a run), so that every target lands in one results file
-    although no single process could time them all within a call's time limit. Each target still
+    when the sections were timed in separate processes (each run shorter). Each target still
     compares numbers of one process (a section's rows and their baselines come from the run that
     timed the section). The ceilings are those of the run that timed ``main`` (its TFLOP/s
     fractions), else the first run's; ``merged_from`` keeps each run's name, date, the sections

@@ -11,7 +11,7 @@ inside the timed call. Prints one line ``FIRST_CALL_JSON {...}`` with the second
     warm_fwdbwd_s   the same fwd + bwd again (kernels cached in memory): what is left is not compile
     compiles        each kernel compiled in the process, where Triton reports compiles (its
                     compilation listener): kernel, seconds, seconds of each stage, and when it
-                    ended (end_s, seconds since the first call started; negative: before it)
+                    ended (end_s, seconds since the first call started)
 
 The inputs are created, and a torch op run on them, before the clock starts, so CUDA context
 creation is not counted. On a machine without CUDA it runs the kernels under the Triton interpreter
@@ -109,7 +109,7 @@ def main():
     out["config"] = str(cfg or rule)
     float((leaves[0].float().sum() + leaves[3].sum()).item())  # a torch op on the device first
     sync()
-    started = {"t": time.perf_counter()}
+    started = {"t": time.perf_counter()}   # reset to the first call's start, which end_s counts from
     compiles = compile_log(lambda: time.perf_counter() - started["t"])
 
     def call():

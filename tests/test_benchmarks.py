@@ -499,7 +499,6 @@ def test_fp16_range_records_the_first_non_finite_token(tmp_path):
     assert bad.returncode == 2 and "--T must be >= 1" in bad.stderr
 
 
-
 def test_bench_hla2_merges_runs_of_other_sections_into_one_record(tmp_path):
     """``--merge``: two runs of other sections make one record whose targets are those of the whole
     run they split; a section timed twice, or runs of different devices, are refused by name."""
