@@ -606,13 +606,15 @@ def render_markdown(res):
         lines += [f"Ceilings: bf16 matmul {c.get('bf16_matmul_tflops', 0):.0f} TFLOP/s, "
                   f"copy {c.get('copy_gbs', 0):.0f} GB/s.", ""]
     if res.get("merged_from"):
-        lines += ["Merged from runs of the same code on this device (each section and its baselines from one "
+        lines += ["Merged from runs on this device (each section and its baselines from one "
                   "process; the ceilings above from the run of `main`):", ""]
         for m in res["merged_from"]:
             mc = m.get("ceilings") or {}
             lines.append(f"- `{m['record']}` ({m.get('date')}): {', '.join(m['sections'])}; ceilings "
                          f"{mc.get('bf16_matmul_tflops', 0):.0f} TFLOP/s, {mc.get('copy_gbs', 0):.0f} GB/s")
         lines.append("")
+        if res.get("merge_note"):
+            lines += [res["merge_note"], ""]
     t = res.get("targets") or targets(res)
     if t:
         lines += ["## Targets", "", "| target | goal | result | numbers |", "|---|---|---|---|"]
@@ -746,13 +748,19 @@ def render_markdown(res):
         lines += ["## First call of a fresh process (compile included, s)", "",
                   f"{info.get('jobs', '?')} subprocesses at a time on {info.get('cpus', '?')} CPUs (compiles share the "
                   f"CPUs), empty TRITON_CACHE_DIR each, timeout {info.get('timeout_s', '?')} s, shape "
-                  f"B={info.get('B')}, T={info.get('T')}, H={info.get('H')}.", "",
-                  "| dtype | K=V | flag | status | fwd | bwd | fwd+bwd | warm fwd+bwd | cubins | import |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  f"B={info.get('B')}, T={info.get('T')}, H={info.get('H')}.", ""]
+        # records since first_call.py timed PyTorch's first-backward setup apart from the call
+        autograd = any("autograd_s" in r for r in fc)
+        if autograd:
+            lines += ["Not counted in the first call: importing torch and hla_fast (import) and PyTorch's one-time "
+                      "setup of a first backward given an output gradient (autograd; first_call.py's docstring).", ""]
+        lines += ["| dtype | K=V | flag | status | fwd | bwd | fwd+bwd | warm fwd+bwd | cubins | import |"
+                  + (" autograd |" if autograd else ""), "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if autograd else "")]
         for r in sorted((r for r in fc if "dtype" in r), key=lambda r: (r["dtype"], r["K"], r["flag"])):
             lines.append(f"| {r['dtype']} | {r['K']} | {r['flag']} | {r.get('status')} | {_fmt(r.get('fwd_s'), 1)} | "
                          f"{_fmt(r.get('bwd_s'), 1)} | {_fmt(r.get('fwdbwd_s'), 1)} | {_fmt(r.get('warm_fwdbwd_s'), 3)} | "
-                         f"{r.get('cubins', '-')} | {_fmt(r.get('import_s'), 1)} |")
+                         f"{r.get('cubins', '-')} | {_fmt(r.get('import_s'), 1)} |"
+                         + (f" {_fmt(r.get('autograd_s'), 1)} |" if autograd else ""))
         errs = [r for r in fc if r.get("status") == "error"]
         if errs:
             lines += [""] + [f"- error {r.get('dtype')} K={r.get('K')} {r.get('flag')}: "
@@ -800,15 +808,16 @@ SECTION_KEYS = {"decode": ("decode",), "main": ("main", "shapes"), "short": ("sh
                 "first_call": ("first_call", "first_call_setup")}
 
 
-def merge_records(records):
-    """One record from ``records`` = [(name, result dict, sections or None)]: runs of the same code
-    on one device that each timed other sections (a run has a section when its ``timing`` names
+def merge_records(records, note=None):
+    """One record from ``records`` = [(name, result dict, sections or None)]: runs on one device
+    that each timed other sections (a run has a section when its ``timing`` names
     it; ``sections`` takes only those of a run), so that every target lands in one results file
     when the sections were timed in separate processes (each run shorter). Each target still
     compares numbers of one process (a section's rows and their baselines come from the run that
     timed the section). The ceilings are those of the run that timed ``main`` (its TFLOP/s
     fractions), else the first run's; ``merged_from`` keeps each run's name, date, the sections
-    taken, ceilings and arguments.
+    taken, ceilings and arguments; ``note`` (``merge_note``, shown under that list) says which code
+    each run measured where they differ.
 
     Raises ValueError naming the records when two give the same section, a run is asked for a
     section it did not time, or their devices or versions differ (numbers of different machines or
@@ -839,6 +848,8 @@ def merge_records(records):
            "merged_from": [{"record": name, "date": r.get("date"), "ceilings": r.get("ceilings"), "args": r.get("args"),
                             "sections": taken[name]} for name, r, _ in records],
            "timing": {}, "errors": {}}
+    if note:
+        res["merge_note"] = note
     for sec in SECTIONS:
         if sec not in owner:
             continue
@@ -957,6 +968,10 @@ def selftest():
         assert "2 compiles (10.0 s in all), slowest `hla2_bwd_grad_kernel` 6.0 s (ir 0.3, ttir 0.4, cubin 5.3); " \
                "the last ended at 6.4 s" in md
         assert md.count("| NOT met |") + md.count("| met |") + md.count("| not measured |") == len(want)
+        # the autograd column only where a record timed it (earlier records render as they were)
+        assert "| cubins | import |\n" in md and "(autograd;" not in md
+        timed = dict(res, first_call=[dict(r, autograd_s=2.25) for r in res["first_call"]])
+        assert "| import | autograd |\n" in render_markdown(timed) and "| 2.2 |\n" in render_markdown(timed)
         render_markdown({"device": "x", "date": "y", "versions": {}})  # every section missing
         write_report({"device": "x", "date": "y", "versions": {}}, d, "empty", show=False)
     # every layout variant is a valid ChunkConfig change of both default rules
@@ -1024,13 +1039,17 @@ def main():
     ap.add_argument("--no-overlap", action="store_true", help="run the first-call subprocesses after accuracy")
     ap.add_argument("--from-json", default=None, help="only rebuild the report from a results JSON")
     ap.add_argument("--merge", default=None,
-                    help="comma list of results JSONs of the same code and device, each of other sections "
+                    help="comma list of results JSONs of one device, each of other sections "
                          "(PATH:a+b takes only sections a and b of one): write them as one record hla2_<tag> "
                          "(merge_records)")
+    ap.add_argument("--merge-note", default=None,
+                    help="with --merge: a sentence for the record saying which code each run measured")
     args = ap.parse_args()
     if args.selftest:
         selftest()
         return
+    if args.merge_note is not None and not args.merge:
+        ap.error("--merge-note goes with --merge")
     if args.merge:
         records = []
         for item in filter(None, args.merge.split(",")):
@@ -1041,7 +1060,7 @@ def main():
             with open(p) as f:
                 records.append((os.path.splitext(os.path.basename(p))[0], json.load(f), only.split("+") if only else None))
         try:
-            merged = merge_records(records)
+            merged = merge_records(records, args.merge_note)
         except ValueError as e:
             ap.error(str(e))
         os.makedirs(args.out, exist_ok=True)

@@ -5,6 +5,10 @@ Run by ``bench_hla2.py`` (section ``first_call``) once per variant, in a fresh i
 inside the timed call. Prints one line ``FIRST_CALL_JSON {...}`` with the seconds of:
 
     import_s        importing torch and hla_fast (not part of the first call)
+    autograd_s      PyTorch's one-time setup of a first backward given an explicit output
+                    gradient, done on a two-element tensor before the clock (not part of the first
+                    call): it imports PyTorch's symbolic-shapes module and SymPy, some 2 s that any
+                    op's first such backward pays once per process (a scalar loss's backward does not)
     fwd_s           the first hla2() call with inputs that require grad (compiles the forward)
     bwd_s           the first o.backward(do) (compiles the backward)
     fwdbwd_s        fwd_s + bwd_s: the first training call
@@ -14,7 +18,7 @@ inside the timed call. Prints one line ``FIRST_CALL_JSON {...}`` with the second
                     ended (end_s, seconds since the first call started)
 
 The inputs are created, and a torch op run on them, before the clock starts, so CUDA context
-creation is not counted. On a machine without CUDA it runs the kernels under the Triton interpreter
+creation is not counted; nor is PyTorch's own setup of a first backward (``autograd_s``). On a machine without CUDA it runs the kernels under the Triton interpreter
 (TRITON_INTERPRET=1, set before the import), where nothing is compiled: only the plumbing is tested.
 
     python benchmarks/first_call.py --dtype bf16 --dim 64 --flag g
@@ -109,6 +113,10 @@ def main():
     out["config"] = str(cfg or rule)
     float((leaves[0].float().sum() + leaves[3].sum()).item())  # a torch op on the device first
     sync()
+    t0 = time.perf_counter()
+    x = torch.ones(2, requires_grad=True)
+    torch.autograd.grad(x * 2, [x], torch.ones(2))   # PyTorch's first-backward setup (autograd_s)
+    out["autograd_s"] = time.perf_counter() - t0
     started = {"t": time.perf_counter()}   # reset to the first call's start, which end_s counts from
     compiles = compile_log(lambda: time.perf_counter() - started["t"])
 

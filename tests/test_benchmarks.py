@@ -515,10 +515,12 @@ def test_bench_hla2_merges_runs_of_other_sections_into_one_record(tmp_path):
         (tmp_path / f"{name}.json").write_text(json.dumps(r))
         paths.append(str(tmp_path / f"{name}.json"))
     script = os.path.join(ROOT, "benchmarks", "bench_hla2.py")
-    run = subprocess.run([sys.executable, script, "--merge", ",".join(paths), "--out", str(tmp_path), "--tag", "ab"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    note = "Run a measured the code before commit x."
+    run = subprocess.run([sys.executable, script, "--merge", ",".join(paths), "--out", str(tmp_path), "--tag", "ab",
+                          "--merge-note", note], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr
     merged = json.loads((tmp_path / "hla2_ab.json").read_text())
+    assert merged["merge_note"] == note and f"GB/s\n\n{note}\n" in (tmp_path / "hla2_ab.md").read_text()
     want = bench.targets(full)
     # every target decided as in the unsplit run, with the same numbers (JSON turns int keys to str)
     assert json.loads(json.dumps(merged["targets"])) == json.loads(json.dumps(want))
@@ -545,6 +547,9 @@ def test_bench_hla2_merges_runs_of_other_sections_into_one_record(tmp_path):
         assert run.returncode == 2 and msg in run.stderr, run.stderr
     with pytest.raises(ValueError, match="two or more records"):
         bench.merge_records([("hla2_a", a, None)])
+    run = subprocess.run([sys.executable, script, "--merge-note", note, "--out", str(tmp_path)], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 2 and "--merge-note goes with --merge" in run.stderr
 
 
 _COMPILE_LOG = r"""

@@ -126,6 +126,29 @@ def test_rehearsal_records_the_launches_of_hla2_as_layers(normalize, device):
     assert ("normalized_grad_kernel" in names) == normalize
 
 
+def test_rehearsal_leaves_sympy_unimported():
+    """The rehearsal's backward starts from a scalar, as a training step's does: an explicit output
+    gradient would make PyTorch import its symbolic-shapes module and SymPy (seconds) inside the
+    first call. Checked in a fresh interpreter, with the check itself shown to detect the import."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch, hla_fast\n"
+        "from hla_fast.ops.common import compile as ahead\n"
+        "from hla_fast.ops.hla2 import chunk\n"
+        "q, k, v = (torch.randn(1, 9, 2, 4, requires_grad=True) for _ in range(3))\n"
+        "ahead.rehearse(chunk.hla2_chunked, (q, k, v, None, 0.9, None, None, None, False, 1e-6, None, 16), "
+        "ahead.Recorder())\n"
+        "print('sympy' in sys.modules)\n"
+        "torch.autograd.grad(q * 2, [q], torch.ones_like(q))\n"
+        "print('sympy' in sys.modules)\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["False", "True"]
+
+
 def test_rehearsal_of_a_call_that_does_not_require_grad_has_no_backward(device):
     args = make_args("ahla", device, grad=False)
     rec = ahead.Recorder()
@@ -288,6 +311,73 @@ def test_compile_ahead_warms_each_recorded_launch_once_per_call(as_if_cuda):
     assert grid == (3,) and isinstance(kw["x"], ahead.TensorArg) and kw["n"] == 3
     assert ahead.compile_ahead("op", fn, (torch.ones(4), 3), as_if_cuda) == 0   # the same call: seen
     assert ahead.compile_ahead("op", fn, (torch.ones(5), 3), as_if_cuda) == 2   # another shape
+
+
+class FakeCompiled:
+    """Stands in for a compiled kernel: records the thread and device its handles were made on."""
+
+    def __init__(self, fail=False):
+        self.inits, self.fail = [], fail
+
+    def _init_handles(self):
+        import threading
+
+        self.inits.append((threading.current_thread().name, current_device[0]))
+        if self.fail:
+            raise RuntimeError("out of resources: shared memory")
+
+
+class FakeFuture:
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def result(self, ignore_errors=False):
+        return self.kernel
+
+
+current_device = [None]
+
+
+def test_compile_ahead_prepares_each_compiled_kernel_in_the_threads_on_the_calls_device(as_if_cuda, monkeypatch):
+    """After the compiles, each compiled kernel (once, however many launches use it) is loaded and
+    its launcher built in a compile thread, on the device of the call (not the thread's own
+    current device); what that meets is left to the real launch."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def on_device(dev):
+        current_device[0] = dev
+        yield
+
+    monkeypatch.setattr(ahead.torch.cuda, "device", on_device)
+    monkeypatch.setattr(ahead.torch.cuda, "current_device", lambda: 1)
+    one, bad = FakeCompiled(), FakeCompiled(fail=True)
+
+    class Returns(FakeKernel):
+        def __init__(self, gives):
+            super().__init__()
+            self.gives = gives
+
+        def warmup(self, grid, **kwargs):
+            super().warmup(grid, **kwargs)
+            return self.gives
+
+    kernels = [Returns(FakeFuture(one)), Returns(one), Returns(FakeFuture(bad)), Returns(FakeFuture(None)),
+               Returns(None), FakeKernel(fail=True)]
+
+    def fn(x, launch):
+        for kernel in kernels:
+            launch(kernel, (1,), x=x)
+        return (x,)
+
+    assert ahead.compile_ahead("op", fn, (torch.zeros(2),), as_if_cuda) == len(kernels)
+    assert [len(k.warmed) for k in kernels] == [1] * len(kernels)
+    assert len(one.inits) == 1 and len(bad.inits) == 1   # one kernel warmed twice is prepared once
+    (thread, dev), = one.inits
+    assert thread.startswith("hla-compile") and dev == torch.device("cuda", 1)
+    kernels[:] = [Returns(FakeFuture(FakeCompiled()))]
+    assert ahead.compile_ahead("op2", fn, (torch.zeros(2),), torch.device("cuda", 3)) == 1
+    assert kernels[0].gives.kernel.inits[0][1] == torch.device("cuda", 3)
 
 
 def test_compile_ahead_never_raises_what_the_rehearsal_meets(as_if_cuda):

@@ -114,25 +114,29 @@ def test_gradients(dtype, K, V, normalize, poison):
     _assert_gradients_match(q, k, v, g, 1e-3 if dtype == torch.float32 else 5e-2, normalize)
 
 
-@pytest.mark.parametrize("dtype,T,short", [
-    (torch.bfloat16, 2000, True), (torch.float32, 2000, True), (torch.float16, 2000, True),
-    (torch.float16, 4097, False),
+@pytest.mark.parametrize("dtype,T,short,normalize", [
+    (torch.bfloat16, 2000, True, False), (torch.float32, 2000, True, False), (torch.float16, 2000, True, False),
+    (torch.float16, 4097, False, False), (torch.float32, 2000, True, True), (torch.float32, 4097, False, True),
 ])
-def test_gradients_in_the_rule_layouts(dtype, T, short, poison):
+def test_gradients_in_the_rule_layouts(dtype, T, short, normalize, poison):
     """The configuration rule's layouts as a caller gets them (config=None): a short sequence (at most
-    SHORT_CHUNKS chunks: one segment, kept states; bf16 computes every gradient in one launch) and,
-    for fp16, whose tiles are fp32, a segmented walk with kept states. Gradients against float64."""
+    SHORT_CHUNKS chunks of 64: one segment, kept states; bf16 computes every gradient in one launch)
+    and, for fp16, whose tiles are fp32, a segmented walk with kept states; normalized fp32, in
+    chunks of NORMALIZED_FP32_CHUNK, short and segmented. Gradients against float64."""
     from hla_fast.ops.hla2 import chunk
 
     B, H, K, V = 2, 3, 64, 64
-    cfg = chunk.fused_config(B, T, H, K, V, dtype, torch.device("cuda"))
+    cfg = chunk.fused_config(B, T, H, K, V, dtype, torch.device("cuda"), gated=True, normalize=normalize,
+                             training=True)
     assert (cfg.fwd_segments == 1 and cfg.bwd_segments == 1) == short and cfg.save_states
     assert (cfg.grad_parts == (7,)) == (short and dtype == torch.bfloat16)
-    assert chunk.SHORT_CHUNKS >= -(-T // cfg.fwd_chunk) or not short
-    q, k, v = rand_qkv(B, T, H, K, V, seed=T, scale=0.2, device="cuda", dtype=dtype)
+    assert chunk.SHORT_CHUNKS >= -(-T // chunk.DEFAULT_CHUNK) or not short
+    assert (cfg.fwd_chunk == chunk.NORMALIZED_FP32_CHUNK) == (dtype == torch.float32 and normalize)
+    q, k, v = rand_qkv(B, T, H, K, V, seed=T, scale=0.2, positive=normalize, device="cuda", dtype=dtype)
     g = rand_gates(B, T, H, seed=T + 1, strength=0.01, device="cuda")
     # fp32: tf32x3 products; fp16: fp32 tiles with tf32 products (10-bit mantissas); bf16: 8-bit operands
-    _assert_gradients_match(q, k, v, g, {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype])
+    _assert_gradients_match(q, k, v, g, {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype],
+                            normalize)
 
 
 @pytest.mark.parametrize("dtype,K,normalize,training", [

@@ -418,6 +418,18 @@ def test_configuration_rule(monkeypatch):
     assert (c.fwd_chunk, c.bwd_chunk, c.bwd_warps, c.grad_parts, c.save_states) == (16, 16, 8, (1, 2, 4), True)
     # fp32 at key tiles of 128: the fold of segments would not fit in shared memory, one segment
     assert chunk.fused_config(1, 2049, 2, 128, 128, torch.float32, cuda).fwd_segments == 1
+    # normalized fp32 with heads up to 64 wide: chunks of 32 in both passes; a sequence short in
+    # chunks of 64 stays short (one segment, kept states), a long one keeps its segments
+    for K, T, segments in [(64, 2048, 1), (32, 2048, 1), (64, 32768, 4), (64, 2049, 4)]:
+        c = chunk.fused_config(4, T, 16, K, K, torch.float32, cuda, normalize=True, training=True)
+        plain = chunk.fused_config(4, T, 16, K, K, torch.float32, cuda, training=True)
+        assert c == plain.replace(fwd_chunk=chunk.NORMALIZED_FP32_CHUNK, bwd_chunk=chunk.NORMALIZED_FP32_CHUNK,
+                                  fwd_segments=segments, bwd_segments=segments), (K, T)
+    assert chunk.fused_config(4, 2048, 16, 64, 64, torch.float32, cuda, chunk_size=16, normalize=True).fwd_chunk == 16
+    for shape, dtype in [((4, 2048, 16, 64, 64), torch.bfloat16), ((4, 2048, 16, 64, 64), torch.float16),
+                         ((4, 2048, 16, 128, 128), torch.float32), ((4, 2048, 16, 64, 128), torch.float32)]:
+        # bf16 and fp16 (one tf32 product), and fp32 heads wider than 64, keep their chunks
+        assert chunk.fused_config(*shape, dtype, cuda, normalize=True) == chunk.fused_config(*shape, dtype, cuda), shape
     assert chunk.fused_config(1, 2049, 2, 128, 128, torch.bfloat16, cuda).fwd_segments > 1
     assert chunk.fused_config(1, 2049, 2, 64, 64, torch.float32, cuda).fwd_segments > 1
     c = chunk.fused_config(4, 32768, 16, 64, 64, torch.bfloat16, cpu, chunk_size=128)

@@ -17,7 +17,9 @@ alignment, not the tensor), so the recorded arguments are those the real call wi
 same dtypes, alignments and integers: the same specializations.
 Each recorded launch goes to ``kernel.warmup`` inside Triton's ``AsyncCompileMode`` over a thread
 pool, which compiles it (or loads it from Triton's disk cache) and files it in the kernel's
-in-process cache; the real call then finds every kernel compiled. A call that differs from its
+in-process cache; the same threads then load each compiled kernel and build its launcher (what
+its first launch would do, one kernel after another); the real call then finds every kernel
+compiled and ready to launch. A call that differs from its
 rehearsal (a final-state gradient the rehearsal did not have) compiles what is missing the
 ordinary way: the rehearsal only moves compile time, never results.
 
@@ -113,13 +115,19 @@ def _leaves(x, found):
 def rehearse(fn, args, launch) -> None:
     """Run ``fn(*args, launch=launch)`` on detached copies of the tensor arguments (sharing their
     memory, requiring grad where the originals do) and, when its first output requires grad, its
-    backward from an output gradient (uninitialized: nothing reads its values)."""
+    backward from an output gradient (uninitialized: nothing reads its values).
+
+    The backward starts from the scalar ``(o * do).sum()``, whose gradient reaches ``o`` as ``do``
+    (a fresh contiguous tensor of o's shape and dtype), rather than from ``do`` passed to
+    ``torch.autograd.grad``: an explicit output gradient makes PyTorch import its symbolic-shapes
+    module (and SymPy) the first time, about 2 s that a training step's ``loss.backward()`` never
+    pays and that the rehearsal would otherwise add to the first call."""
     wrt = []
     leaves = [_leaves(x, wrt) for x in args]
     out = fn(*leaves, launch=launch)
     o = out[0] if isinstance(out, (tuple, list)) else out
     if o.requires_grad and wrt:
-        torch.autograd.grad(o, wrt, torch.empty_like(o), allow_unused=True)
+        torch.autograd.grad((o * torch.empty_like(o)).sum(), wrt, allow_unused=True)
 
 
 def _remember(key) -> None:
@@ -166,17 +174,50 @@ def compile_ahead(op: str, fn, args, device: torch.device, workers: int | None =
         except RuntimeError:  # another AsyncCompileMode is active in this thread: compile as usual
             return 0
         try:
-            for kernel, grid, kwargs in rec.launches:
-                _warm(kernel, grid, kwargs)
+            pending = [_warm(kernel, grid, kwargs) for kernel, grid, kwargs in rec.launches]
         finally:
             mode.__exit__(None, None, None)   # waits for every compile
+        compiled = {id(k): k for k in (_compiled(p) for p in pending) if k is not None}
+        if compiled:   # the device as this thread sees it: a worker thread's current device may differ
+            on = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+            for done in [pool.submit(_prepare_launch, k, on) for k in compiled.values()]:
+                done.result()
     return len(rec.launches)
 
 
-def _warm(kernel, grid, kwargs) -> None:
-    """Hand one recorded launch to the compiler (``kernel.warmup``). A launch it cannot take is
-    left to the real call, which compiles it (or raises) as without this module."""
+def _warm(kernel, grid, kwargs):
+    """Hand one recorded launch to the compiler (``kernel.warmup``); what it returns (the compiled
+    kernel, or a future of it), or None. A launch it cannot take is left to the real call, which
+    compiles it (or raises) as without this module."""
     try:
-        kernel.warmup(grid=grid, **kwargs)
+        return kernel.warmup(grid=grid, **kwargs)
+    except Exception:  # noqa: BLE001 - the real launch raises it, with its context
+        return None
+
+
+def _compiled(pending):
+    """The compiled kernel a warmup handed back (resolving a future of it), or None where the
+    compile failed (left to the real call)."""
+    if pending is not None and hasattr(pending, "result"):
+        try:
+            pending = pending.result(ignore_errors=True)
+        except Exception:  # noqa: BLE001 - as in _warm
+            return None
+    return pending
+
+
+def _prepare_launch(compiled, device: torch.device) -> None:
+    """Do, in a compile thread, what a compiled kernel's first launch does before launching
+    (Triton's ``_init_handles``): load the kernel onto ``device`` and build its launcher, which
+    some Triton versions (3.6, the one PyTorch 2.11 pins) compile from C with the system's compiler
+    for each kernel signature, some 0.2 to 0.5 s each. Done here, those builds run in parallel
+    instead of one after another inside the call. Anything it meets (a kernel too large for the
+    device) is left to the real launch, which raises it."""
+    init = getattr(compiled, "_init_handles", None)
+    if init is None:
+        return
+    try:
+        with torch.cuda.device(device):
+            init()
     except Exception:  # noqa: BLE001 - the real launch raises it, with its context
         pass

@@ -73,6 +73,9 @@ MIN_SEGMENT_CHUNKS = 4
 # a sequence of at most SHORT_CHUNKS chunks (heads up to 64 wide) walks in one segment and computes
 # its gradients in one launch: 3 launches a training call instead of 8 (hla2_config)
 SHORT_CHUNKS = 32
+# chunks of a normalized call's fp32 inputs with heads up to 64 wide, in both passes: their first
+# training call compiles in two thirds of the time of chunks of 64, and runs faster (hla2_config)
+NORMALIZED_FP32_CHUNK = 32
 # a bf16 training forward of 128-wide key tiles over at least SPLIT_MIN_CHUNKS chunks runs split
 # (``fwd_output_pass``): its state walk in SPLIT_ROW_BLOCKS row blocks, then every chunk's outputs
 SPLIT_MIN_CHUNKS = 256
@@ -249,6 +252,11 @@ def fused_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, dev
     wide_chunk = 16 if fp32 else 32   # fp32: tf32x3 products of 32-row tiles were the slowest compiles
     fwd_chunk = min(chunk_size, wide_chunk) if wide_tiles else tile_chunk(chunk_size, dtype)
     bwd_chunk = min(chunk_size, wide_chunk if wide_tiles else 64)
+    # judged on these chunks, before a normalized fp32 call halves them below
+    short = not wide and max(cdiv(T, fwd_chunk), cdiv(T, bwd_chunk)) <= SHORT_CHUNKS
+    if fp32 and normalize and not wide_tiles:
+        # the denominator's column makes fp32 tiles of 64 rows the slowest compiles and spill more
+        fwd_chunk = bwd_chunk = min(fwd_chunk, NORMALIZED_FP32_CHUNK)
     block_v = min(64, pow2_block(V, min_value_block(device)))
     bwd_bv = min(pow2_block(V, min_value_block(device)), bwd_value_width(K))
     fwd_warps = 4 if pow2_block(K) <= 64 and block_v <= 64 else 8
@@ -262,7 +270,7 @@ def fused_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, dev
     keep = fwd_chunk == bwd_chunk and V <= bwd_value_width(K)
     # fp32: tf32x3 products; a gradient launch per gradient keeps each compile short
     grad_parts = (1, 2, 4) if fp32 or (gated and normalize and not wide) else (1, 6)
-    if not wide and keep and max(n_fwd, n_bwd) <= SHORT_CHUNKS:
+    if keep and short:
         # a short sequence: host work per launch outweighs a longer walk
         fwd_seg = bwd_seg = 1
         if dtype == torch.bfloat16:
