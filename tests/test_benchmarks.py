@@ -99,7 +99,12 @@ def load(name):
                                           ("bench_hla2", "hla2_h100_final_rest"),
                                           ("bench_hla2", "hla2_h100_final_rest_12_jobs"),
                                           ("bench_hla2", "hla2_h100_final_first_call_alone"),
-                                          ("bench_hla2", "hla2_h100_final_first_call_layers")])
+                                          ("bench_hla2", "hla2_h100_final_first_call_layers"),
+                                          ("bench_hla2", "hla2_h100_first_call_handles"),
+                                          ("bench_hla2", "hla2_h100_first_call_final"),
+                                          ("compile_report", "compile_hla2_fp32_k64_normalize_triton36_cpu"),
+                                          ("compile_report", "compile_hla2_fp32_k64_normalize_chunk64_triton36_cpu"),
+                                          ("compile_report", "compile_hla2_fp32_k64_chunk32_triton36_cpu")])
 def test_recorded_markdown_is_rendered_from_its_json(script, stem):
     with open(os.path.join(RESULTS, stem + ".json")) as f:
         res = json.load(f)

@@ -202,6 +202,11 @@ def fused_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, dev
       tf32x3 products made the gradient kernel a first training call's slowest compile, and a
       call's kernels compile in parallel (``hla2_h200_first_call_rule.md``, ``compile_report.py``;
       ``hla2_h200_fp32_layouts_first.json`` for the 8-warp layout not taken);
+    * normalized fp32 calls with heads up to 64 wide: chunks of NORMALIZED_FP32_CHUNK in both passes,
+      whose first training call compiled faster and which ran faster at T = 2k, 8k and 32k, at a
+      higher peak (twice the kept chunk states); with gamma or g such chunks ran slower (a gradient
+      launch spilled heavily by an sm_90 compile) and are not taken (``hla2_h100_fp32_chunk32.json``,
+      ``compile_hla2_fp32_k64_*_triton36_cpu.md``); a sequence is short (below) by its chunks of 64;
     * fp32 inputs with key tiles wider than 64: one forward segment (``fold_fits``: the fold of
       their segments does not fit in shared memory);
     * short sequences, at most SHORT_CHUNKS chunks, with heads up to 64 wide: one segment in both
