@@ -754,13 +754,15 @@ def render_markdown(res):
         if autograd:
             lines += ["Not counted in the first call: importing torch and hla_fast (import) and PyTorch's one-time "
                       "setup of a first backward given an output gradient (autograd; first_call.py's docstring).", ""]
-        lines += ["| dtype | K=V | flag | status | fwd | bwd | fwd+bwd | warm fwd+bwd | cubins | import |"
-                  + (" autograd |" if autograd else ""), "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if autograd else "")]
+        heads = ["dtype", "K=V", "flag", "status", "fwd", "bwd", "fwd+bwd", "warm fwd+bwd", "cubins", "import"]
+        heads += ["autograd"] if autograd else []
+        lines += ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
         for r in sorted((r for r in fc if "dtype" in r), key=lambda r: (r["dtype"], r["K"], r["flag"])):
-            lines.append(f"| {r['dtype']} | {r['K']} | {r['flag']} | {r.get('status')} | {_fmt(r.get('fwd_s'), 1)} | "
-                         f"{_fmt(r.get('bwd_s'), 1)} | {_fmt(r.get('fwdbwd_s'), 1)} | {_fmt(r.get('warm_fwdbwd_s'), 3)} | "
-                         f"{r.get('cubins', '-')} | {_fmt(r.get('import_s'), 1)} |"
-                         + (f" {_fmt(r.get('autograd_s'), 1)} |" if autograd else ""))
+            cells = [r["dtype"], r["K"], r["flag"], r.get("status"), _fmt(r.get("fwd_s"), 1), _fmt(r.get("bwd_s"), 1),
+                     _fmt(r.get("fwdbwd_s"), 1), _fmt(r.get("warm_fwdbwd_s"), 3), r.get("cubins", "-"),
+                     _fmt(r.get("import_s"), 1)]
+            cells += [_fmt(r.get("autograd_s"), 1)] if autograd else []
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
         errs = [r for r in fc if r.get("status") == "error"]
         if errs:
             lines += [""] + [f"- error {r.get('dtype')} K={r.get('K')} {r.get('flag')}: "

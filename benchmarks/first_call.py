@@ -18,8 +18,9 @@ inside the timed call. Prints one line ``FIRST_CALL_JSON {...}`` with the second
                     ended (end_s, seconds since the first call started)
 
 The inputs are created, and a torch op run on them, before the clock starts, so CUDA context
-creation is not counted; nor is PyTorch's own setup of a first backward (``autograd_s``). On a machine without CUDA it runs the kernels under the Triton interpreter
-(TRITON_INTERPRET=1, set before the import), where nothing is compiled: only the plumbing is tested.
+creation is not counted; nor is PyTorch's own setup of a first backward (``autograd_s``). On a
+machine without CUDA it runs the kernels under the Triton interpreter (TRITON_INTERPRET=1, set
+before the import), where nothing is compiled: only the plumbing is tested.
 
     python benchmarks/first_call.py --dtype bf16 --dim 64 --flag g
     python benchmarks/first_call.py --dtype fp32 --dim 64 --config '{"bwd_warps": 8}'

@@ -130,6 +130,7 @@ def test_rehearsal_leaves_sympy_unimported():
     """The rehearsal's backward starts from a scalar, as a training step's does: an explicit output
     gradient would make PyTorch import its symbolic-shapes module and SymPy (seconds) inside the
     first call. Checked in a fresh interpreter, with the check itself shown to detect the import."""
+    import os
     import subprocess
     import sys
 
@@ -144,7 +145,7 @@ def test_rehearsal_leaves_sympy_unimported():
         "torch.autograd.grad(q * 2, [q], torch.ones_like(q))\n"
         "print('sympy' in sys.modules)\n")
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         env={**__import__("os").environ, "TRITON_INTERPRET": "1"})
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["False", "True"]
 
