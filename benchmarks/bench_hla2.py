@@ -73,7 +73,7 @@ if ROOT not in sys.path:
 import hla_fast  # noqa: E402
 from hla_fast import HLA2State  # noqa: E402
 from hla_fast.ops.hla2.chunk import fused_config  # noqa: E402
-from records import portable  # noqa: E402
+from records import cpu_model, portable  # noqa: E402
 
 SECTIONS = ("decode", "main", "short", "memory", "wide", "profile", "variants", "accuracy", "first_call")
 GAMMA = 0.999
@@ -745,9 +745,10 @@ def render_markdown(res):
     if res.get("first_call"):
         fc = res["first_call"]
         info = res.get("first_call_setup", {})
+        host = f" ({info['cpu_model']})" if info.get("cpu_model") else ""   # recorded since 2026-12-06
         lines += ["## First call of a fresh process (compile included, s)", "",
-                  f"{info.get('jobs', '?')} subprocesses at a time on {info.get('cpus', '?')} CPUs (compiles share the "
-                  f"CPUs), empty TRITON_CACHE_DIR each, timeout {info.get('timeout_s', '?')} s, shape "
+                  f"{info.get('jobs', '?')} subprocesses at a time on {info.get('cpus', '?')} CPUs{host} (compiles "
+                  f"share the CPUs), empty TRITON_CACHE_DIR each, timeout {info.get('timeout_s', '?')} s, shape "
                   f"B={info.get('B')}, T={info.get('T')}, H={info.get('H')}.", ""]
         # records since first_call.py timed PyTorch's first-backward setup apart from the call
         autograd = any("autograd_s" in r for r in fc)
@@ -1396,7 +1397,8 @@ def main():
         # at least a minute for this section even when the run is behind its budget
         deadline = time.perf_counter() + max(left_s(), 60.0)
         jobs = min(args.first_call_jobs, 2) if smoke else args.first_call_jobs
-        put("first_call_setup", dict(shape, jobs=jobs, cpus=os.cpu_count(), timeout_s=args.first_call_timeout,
+        put("first_call_setup", dict(shape, jobs=jobs, cpus=os.cpu_count(), cpu_model=cpu_model(),
+                                     timeout_s=args.first_call_timeout,
                                      budget_left_s=left_s(), overlapped_with_accuracy=not args.no_overlap))
         put("first_call", [])
         env_extra = {"TRITON_INTERPRET": "1"} if smoke else None

@@ -2,8 +2,9 @@
 the command line every recording script starts from (:func:`record_parser`),
 the markdown always rendered from the same results (``tests/test_benchmarks.py`` renders every
 stored JSON and compares), and the markdown again from a stored JSON (a script's ``--render``);
-the relative error every record's accuracy columns report (:func:`rel_error`); and an error's
-text as a record keeps it, without the directories of the machine that ran it (:func:`portable`)."""
+the relative error every record's accuracy columns report (:func:`rel_error`); an error's text as
+a record keeps it, without the directories of the machine that ran it (:func:`portable`); and the
+host's processor (:func:`cpu_model`), which first calls depend on: Triton compiles on the CPU."""
 from __future__ import annotations
 
 import argparse
@@ -56,6 +57,24 @@ def render_stored(json_path, render):
         res = json.load(f)
     with open(os.path.splitext(json_path)[0] + ".md", "w") as f:
         f.write(render(res))
+
+
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The host processor's name: the first ``model name`` of ``cpuinfo`` (Linux), else what
+    ``platform.processor()`` says, else None. Kernel compiles run on the host, so a first call's
+    seconds depend on it as much as on the GPU (two H100 machines gave one code's first calls in
+    ``hla2_h100_first_call_final.md`` and ``hla2_h100_first_call_all.md``)."""
+    import platform
+
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or None
 
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -102,6 +102,7 @@ def load(name):
                                           ("bench_hla2", "hla2_h100_final_first_call_layers"),
                                           ("bench_hla2", "hla2_h100_first_call_handles"),
                                           ("bench_hla2", "hla2_h100_first_call_final"),
+                                          ("bench_hla2", "hla2_h100_first_call_all"),
                                           ("compile_report", "compile_hla2_fp32_k64_normalize_triton36_cpu"),
                                           ("compile_report", "compile_hla2_fp32_k64_normalize_chunk64_triton36_cpu"),
                                           ("compile_report", "compile_hla2_fp32_k64_chunk32_triton36_cpu")])
@@ -364,10 +365,16 @@ def test_bench_hla2_first_calls_named_on_the_command_line(tmp_path):
                           "bf16", "--first-call-flags", "normalize,g,normalize", "--out", str(tmp_path), "--tag", "t"],
                          capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
-    rows = json.loads((tmp_path / "hla2_t.json").read_text())["first_call"]
+    res = json.loads((tmp_path / "hla2_t.json").read_text())
+    rows = res["first_call"]
     assert sorted((r["dtype"], r["flag"], r["status"]) for r in rows) == [("bf16", "g", "ok"),
                                                                         ("bf16", "normalize", "ok")]
     assert all(r["fwdbwd_s"] > 0 for r in rows)
+    # the host the compiles ran on is part of the record and its markdown
+    host = load("records").cpu_model()
+    assert res["first_call_setup"]["cpu_model"] == host
+    if host:
+        assert f"CPUs ({host}) (compiles share the CPUs)" in (tmp_path / "hla2_t.md").read_text()
     for option, value, message in (("--first-call-flags", "gamma,gates", "--first-call-flags takes a comma list"),
                                    ("--first-call-dtypes", "fp16", "--first-call-dtypes takes a comma list"),
                                    ("--first-call-dims", "64,x", "--first-call-dims takes positive head sizes"),
@@ -444,6 +451,23 @@ def test_a_failed_runs_text_names_no_directory_of_the_machine(tmp_path, monkeypa
                    f'cache .triton/cache/abc\nscratch {os.path.relpath(tmp_path, records.tempfile.gettempdir())}/x.json\n')
     for d in (records.REPO, str(site), home, str(tmp_path)):
         assert d not in got
+
+
+def test_cpu_model_reads_the_first_model_name(tmp_path, monkeypatch):
+    """``records.cpu_model``: the first non-empty ``model name`` of a cpuinfo file; without one,
+    or without the file, what ``platform.processor()`` says, and None where that is empty."""
+    import platform
+
+    records = load("records")
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: \nmodel name\t: Some CPU 9000 @ 2.0GHz\n"
+                    "processor\t: 1\nmodel name\t: Other CPU\n")
+    assert records.cpu_model(str(info)) == "Some CPU 9000 @ 2.0GHz"
+    info.write_text("processor\t: 0\n")
+    monkeypatch.setattr(platform, "processor", lambda: "x86_64")
+    assert records.cpu_model(str(info)) == "x86_64"
+    monkeypatch.setattr(platform, "processor", lambda: "")
+    assert records.cpu_model(str(tmp_path / "missing")) is None
 
 
 def test_host_work_splits_a_call_and_renders_its_record(tmp_path):
