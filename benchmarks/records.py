@@ -62,8 +62,7 @@ def render_stored(json_path, render):
 def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str | None:
     """The host processor's name: the first ``model name`` of ``cpuinfo`` (Linux), else what
     ``platform.processor()`` says, else None. Kernel compiles run on the host, so a first call's
-    seconds depend on it as much as on the GPU (two H100 machines gave one code's first calls in
-    ``hla2_h100_first_call_final.md`` and ``hla2_h100_first_call_all.md``)."""
+    seconds depend on it too (``hla_fast/README.md``, Targets, compares two hosts)."""
     import platform
 
     try:
