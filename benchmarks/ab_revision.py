@@ -2,10 +2,10 @@
 process.
 
 The earlier package is extracted from git into a temporary folder and imported under another name,
-so both run on the same GPU, inputs and Triton. bf16, B=4, H=16, T=32768 (``--T``), gamma=0.999,
-K=V in {64, 128} (``--dims``; ``--V`` another value width), ``--gates`` (log-gates that require grad instead of gamma),
-``--normalize`` (on |q| and |k|), ``--config`` (a change to this tree's configuration rule, to time a
-rule change before making it; for hla3 its second stage's); medians of triton.testing.do_bench (ms)
+so both run on the same GPU, inputs and Triton. bf16 (``--dtype``: fp32 or fp16 inputs), B=4, H=16,
+T=32768 (``--T``), gamma=0.999, K=V in {64, 128} (``--dims``; ``--V`` another value width),
+``--gates`` (log-gates that require grad instead of gamma), ``--normalize`` (on |q| and |k|),
+``--config`` (a change to this tree's configuration rule, to time a rule change before making it; for hla3 its second stage's); medians of triton.testing.do_bench (ms)
 of the whole call, forward under no_grad and forward + backward, the peak memory one forward + backward allocates beyond
 what was allocated before it (the inputs, do and the previous call's gradients), and the relative
 difference of the two revisions' outputs (of the inference forward and of the training call) and
@@ -38,6 +38,8 @@ from triton.testing import do_bench
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))   # config_arg beside this script
 from config_arg import HELP, config_changes  # noqa: E402
 from records import rel_error  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}   # --dtype
 
 
 def extract(rev: str, dest: pathlib.Path) -> str:
@@ -143,6 +145,7 @@ def main():
     ap.add_argument("--dims", default="64,128", help="comma list of K=V head sizes")
     ap.add_argument("--V", type=int, default=None, help="value width of every row (default: V = K)")
     ap.add_argument("--T", type=int, default=32768)
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="the inputs' dtype")
     ap.add_argument("--gates", action="store_true",
                     help="per-token log-gates g = -0.001 * U[0, 1) (that require grad) instead of gamma")
     ap.add_argument("--normalize", action="store_true",
@@ -163,9 +166,10 @@ def main():
     import hla_fast as new
 
     rows = []
+    dtype = DTYPES[args.dtype]
     for D in (int(x) for x in args.dims.split(",")):
         gen = torch.Generator(device="cuda").manual_seed(D)
-        q, k, v = (0.3 * torch.randn(4, args.T, 16, n, device="cuda", dtype=torch.bfloat16, generator=gen)
+        q, k, v = (0.3 * torch.randn(4, args.T, 16, n, device="cuda", dtype=dtype, generator=gen)
                    for n in (D, D, args.V or D))
         if args.normalize:
             q, k = q.abs(), k.abs()
@@ -191,7 +195,7 @@ def main():
     res = {"device": torch.cuda.get_device_name(0), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "versions": {"torch": torch.__version__, "triton": triton.__version__},
         "op": args.op, "rev": args.rev,
-        "shape": {"B": 4, "T": args.T, "H": 16, "dtype": "bfloat16", "gamma": 0.999},
+        "shape": {"B": 4, "T": args.T, "H": 16, "dtype": str(dtype).removeprefix("torch."), "gamma": 0.999},
         "gates": args.gates, "normalize": args.normalize, "config": args.config, "rounds": args.rounds,
         "rows": rows}
     if args.out:

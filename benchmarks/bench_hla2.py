@@ -23,7 +23,8 @@ Sections (default order; ``--skip a,b`` drops some, ``--sections a,b`` runs only
                 leaves room for the last section
     accuracy    relative error against the float64 torch path, fp32 and bf16, T 1k..32k
     first_call  seconds of the first forward + backward of a fresh process with an empty Triton
-                cache (compile included), bf16/fp32 x K=V 32/64/128 x gamma/g/normalize, run as
+                cache (compile included), bf16/fp32 x K=V 32/64/128 x gamma/g/normalize, of hla2 and of
+                the operators --first-call-ops names (hla2,ahla,hla3 for all three), run as
                 subprocesses of benchmarks/first_call.py with a timeout each, one at a time unless
                 --first-call-jobs says more; overlapped with the accuracy section (which times
                 nothing) unless --no-overlap
@@ -400,23 +401,31 @@ def train_memory(fn, inputs, do):
 
 FIRST_CALL_FLAGS = ("gamma", "g", "normalize")
 FIRST_CALL_DTYPES = ("fp32", "bf16")
+FIRST_CALL_OPS = ("hla2", "ahla", "hla3")
 
 
-def first_call_variants(dims=(32, 64, 128), dtypes=FIRST_CALL_DTYPES, flags=FIRST_CALL_FLAGS):
-    """Every (dtype, K=V, flag), fp32 first: they compile slowest, so they start first."""
+def first_call_variants(dims=(32, 64, 128), dtypes=FIRST_CALL_DTYPES, flags=FIRST_CALL_FLAGS, ops=("hla2",)):
+    """Every (op, dtype, K=V, flag), fp32 first: they compile slowest, so they start first."""
     dtypes = sorted(dtypes, key=FIRST_CALL_DTYPES.index)
-    return [{"dtype": dt, "K": d, "flag": f} for dt in dtypes for d in sorted(dims, reverse=True) for f in flags]
+    return [{"op": op, "dtype": dt, "K": d, "flag": f} for dt in dtypes for op in ops for d in sorted(dims, reverse=True)
+            for f in flags]
+
+
+def first_call_op(row) -> str:
+    """The operator a first-call row timed (rows recorded before first_call.py took --op: hla2)."""
+    return row.get("op", "hla2")
 
 
 def run_first_call(var, shape, timeout_s, env_extra=None):
     """Run benchmarks/first_call.py for one variant in a fresh process with an empty TRITON_CACHE_DIR;
     returns its result row (status "ok", "timeout" or "error")."""
-    cache = tempfile.mkdtemp(prefix="hla2_first_call_")
+    cache = tempfile.mkdtemp(prefix="first_call_")
     env = dict(os.environ)
     env.update(env_extra or {})
     env["TRITON_CACHE_DIR"] = cache
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "first_call.py"), "--dtype", var["dtype"],
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "first_call.py"), "--op", first_call_op(var),
+           "--dtype", var["dtype"],
            "--dim", str(var["K"]), "--flag", var["flag"], "--B", str(shape["B"]), "--T", str(shape["T"]),
            "--H", str(shape["H"])]
     row = dict(var, V=var["K"], **shape, timeout_s=round(timeout_s, 1))
@@ -559,8 +568,9 @@ def targets(res):
         f"{int(DECODE_MIN * 100)}% of copy bandwidth", f">= {DECODE_MIN}", None if fr is None else fr >= DECODE_MIN,
         fraction_of_copy=fr, graph_fraction_of_copy=d.get("graph_fraction_of_copy"))
     fc = res.get("first_call") or []
-    secs = {f"{r['dtype']}_K{r['K']}_{r['flag']}": (r.get("fwdbwd_s") if r.get("status") == "ok" else r.get("status"))
-            for r in fc if "dtype" in r}
+    # keyed dtype_K_flag, with the op in front for another operator's rows (hla2's keys as they were)
+    secs = {("" if first_call_op(r) == "hla2" else f"{first_call_op(r)}_") + f"{r['dtype']}_K{r['K']}_{r['flag']}":
+            (r.get("fwdbwd_s") if r.get("status") == "ok" else r.get("status")) for r in fc if "dtype" in r}
     ok = [v for v in secs.values() if isinstance(v, float)]
     if not secs:
         met = None
@@ -755,20 +765,24 @@ def render_markdown(res):
         if autograd:
             lines += ["Not counted in the first call: importing torch and hla_fast (import) and PyTorch's one-time "
                       "setup of a first backward given an output gradient (autograd; first_call.py's docstring).", ""]
-        heads = ["dtype", "K=V", "flag", "status", "fwd", "bwd", "fwd+bwd", "warm fwd+bwd", "cubins", "import"]
+        ops = any(first_call_op(r) != "hla2" for r in fc)   # an op column where not every row is hla2's
+        heads = ["op"] if ops else []
+        heads += ["dtype", "K=V", "flag", "status", "fwd", "bwd", "fwd+bwd", "warm fwd+bwd", "cubins", "import"]
         heads += ["autograd"] if autograd else []
         lines += ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
-        for r in sorted((r for r in fc if "dtype" in r), key=lambda r: (r["dtype"], r["K"], r["flag"])):
-            cells = [r["dtype"], r["K"], r["flag"], r.get("status"), _fmt(r.get("fwd_s"), 1), _fmt(r.get("bwd_s"), 1),
-                     _fmt(r.get("fwdbwd_s"), 1), _fmt(r.get("warm_fwdbwd_s"), 3), r.get("cubins", "-"),
-                     _fmt(r.get("import_s"), 1)]
+        order = lambda r: (FIRST_CALL_OPS.index(first_call_op(r)), r["dtype"], r["K"], r["flag"])  # noqa: E731
+        named = lambda r: (f"{first_call_op(r)} " if ops else "") + f"{r.get('dtype')} K={r.get('K')} {r.get('flag')}"  # noqa: E731
+        for r in sorted((r for r in fc if "dtype" in r), key=order):
+            cells = [first_call_op(r)] if ops else []
+            cells += [r["dtype"], r["K"], r["flag"], r.get("status"), _fmt(r.get("fwd_s"), 1), _fmt(r.get("bwd_s"), 1),
+                      _fmt(r.get("fwdbwd_s"), 1), _fmt(r.get("warm_fwdbwd_s"), 3), r.get("cubins", "-"),
+                      _fmt(r.get("import_s"), 1)]
             cells += [_fmt(r.get("autograd_s"), 1)] if autograd else []
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
         errs = [r for r in fc if r.get("status") == "error"]
         if errs:
-            lines += [""] + [f"- error {r.get('dtype')} K={r.get('K')} {r.get('flag')}: "
-                             f"{str(r.get('error', ''))[-300:]!r}" for r in errs]
-        logged = sorted((r for r in fc if r.get("compiles")), key=lambda r: (r["dtype"], r["K"], r["flag"]))
+            lines += [""] + [f"- error {named(r)}: {str(r.get('error', ''))[-300:]!r}" for r in errs]
+        logged = sorted((r for r in fc if r.get("compiles")), key=order)
         if logged:
             lines += ["", "Compiles of each first call (Triton's compilation listener; they run in parallel threads, "
                           "so the call waits for the slowest): the slowest with its stages (s), and when the last "
@@ -777,7 +791,7 @@ def render_markdown(res):
                 cs = r["compiles"]
                 top = max(cs, key=lambda c: c["s"])
                 stages = ", ".join(f"{k_} {v_:.1f}" for k_, v_ in top["stages"].items())
-                lines.append(f"- {r['dtype']} K={r['K']} {r['flag']}: {len(cs)} compiles ({sum(c['s'] for c in cs):.1f} s "
+                lines.append(f"- {named(r)}: {len(cs)} compiles ({sum(c['s'] for c in cs):.1f} s "
                              f"in all), slowest `{top['kernel']}` {top['s']:.1f} s ({stages}); the last ended at "
                              f"{max(c['end_s'] for c in cs):.1f} s (forward {_fmt(r.get('fwd_s'), 1)} s)")
         lines.append("")
@@ -975,6 +989,14 @@ def selftest():
         assert "| cubins | import |\n" in md and "(autograd;" not in md
         timed = dict(res, first_call=[dict(r, autograd_s=2.25) for r in res["first_call"]])
         assert "| import | autograd |\n" in render_markdown(timed) and "| 2.2 |\n" in render_markdown(timed)
+        # an op column, and each variant named by its op, where some rows are another operator's
+        assert "| dtype | K=V | flag |" in md and "| op |" not in md
+        mixed = dict(res, first_call=res["first_call"] + [dict(r, op="ahla") for r in res["first_call"][1:2]])
+        mixed_md = render_markdown(mixed)
+        assert "| op | dtype | K=V | flag |" in mixed_md and "| hla2 | fp32 | 128 | g |" in mixed_md
+        assert "| ahla | fp32 | 128 | g |" in mixed_md and "- ahla fp32 K=128 g: 2 compiles" in mixed_md
+        secs = targets(mixed)["first_call_under_15s"]["seconds"]
+        assert secs["fp32_K128_g"] == secs["ahla_fp32_K128_g"] == 16.0 and len(secs) == len(mixed["first_call"])
         render_markdown({"device": "x", "date": "y", "versions": {}})  # every section missing
         write_report({"device": "x", "date": "y", "versions": {}}, d, "empty", show=False)
     # every layout variant is a valid ChunkConfig change of both default rules
@@ -983,6 +1005,8 @@ def selftest():
         for _, ch in variant_changes(K):
             base.replace(**ch)
     assert len(first_call_variants()) == 18 and first_call_variants()[0]["dtype"] == "fp32"
+    every = first_call_variants(ops=FIRST_CALL_OPS)
+    assert len(every) == 54 and [v["op"] for v in every[:27:9]] == list(FIRST_CALL_OPS)
     print(md)
     print("selftest passed", flush=True)
 
@@ -1037,6 +1061,8 @@ def main():
     ap.add_argument("--first-call-dtypes", default="fp32,bf16", help="comma list of the first calls' dtypes")
     ap.add_argument("--first-call-flags", default=",".join(FIRST_CALL_FLAGS),
                     help="comma list of the first calls' flags: " + ",".join(FIRST_CALL_FLAGS))
+    ap.add_argument("--first-call-ops", default="hla2",
+                    help="comma list of the operators whose first calls are timed: " + ",".join(FIRST_CALL_OPS))
     ap.add_argument("--first-call-reserve", type=float, default=150.0,
                     help="seconds the variants section leaves for accuracy + first_call")
     ap.add_argument("--no-overlap", action="store_true", help="run the first-call subprocesses after accuracy")
@@ -1077,9 +1103,11 @@ def main():
     if unknown:
         ap.error(f"unknown sections {sorted(unknown)}; known: {','.join(SECTIONS)}")
     # each named once, in the order given (a repeated name would time the same first call twice)
-    fc_dtypes, fc_flags = (list(dict.fromkeys(x.split(","))) for x in (args.first_call_dtypes, args.first_call_flags))
+    fc_dtypes, fc_flags, fc_ops = (list(dict.fromkeys(x.split(","))) for x in (
+        args.first_call_dtypes, args.first_call_flags, args.first_call_ops))
     for name, given, known in (("--first-call-dtypes", fc_dtypes, FIRST_CALL_DTYPES),
-                               ("--first-call-flags", fc_flags, FIRST_CALL_FLAGS)):
+                               ("--first-call-flags", fc_flags, FIRST_CALL_FLAGS),
+                               ("--first-call-ops", fc_ops, FIRST_CALL_OPS)):
         if not given or set(given) - set(known):
             ap.error(f"{name} takes a comma list of {','.join(known)}; got {','.join(given)!r}")
     try:
@@ -1393,7 +1421,7 @@ def main():
     def start_first_call():
         shape = ({"B": 1, "T": 64, "H": 2} if smoke else {"B": 4, "T": args.first_call_T, "H": 16})
         variants = first_call_variants(dims=(16,) if smoke else ((64,) if args.quick else fc_dims),
-                                       dtypes=fc_dtypes, flags=fc_flags)
+                                       dtypes=fc_dtypes, flags=fc_flags, ops=fc_ops)
         # at least a minute for this section even when the run is behind its budget
         deadline = time.perf_counter() + max(left_s(), 60.0)
         jobs = min(args.first_call_jobs, 2) if smoke else args.first_call_jobs

@@ -1,4 +1,5 @@
-"""Time the first hla_fast.hla2 forward + backward of a fresh process (Triton compile included).
+"""Time the first forward + backward of an operator (``--op``: hla2, ahla or hla3) in a fresh process
+(Triton compile included).
 
 Run by ``bench_hla2.py`` (section ``first_call``) once per variant, in a fresh interpreter with
 ``TRITON_CACHE_DIR`` pointing at an empty directory, so every kernel the call needs is compiled
@@ -23,11 +24,11 @@ machine without CUDA it runs the kernels under the Triton interpreter (TRITON_IN
 before the import), where nothing is compiled: only the plumbing is tested.
 
     python benchmarks/first_call.py --dtype bf16 --dim 64 --flag g
-    python benchmarks/first_call.py --dtype fp32 --dim 64 --config '{"bwd_warps": 8}'
+    python benchmarks/first_call.py --op ahla --dtype fp32 --dim 64 --config '{"grad_parts": [1, 2, 4]}'
 
-``--config`` takes a JSON object of ``ChunkConfig`` fields changed from the rule's configuration
-(``hla_fast.hla2_config`` for the call's shapes): how a layout's first call is measured before the
-rule takes it.
+``--config`` takes a JSON object of ``ChunkConfig`` fields changed from the configuration the
+operator's rule gives a training call of these shapes and flags (``ab_revision.rule_config``; for
+hla3 its second stage's): how a layout's first call is measured before the rule takes it.
 """
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ def compile_log(clock):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--op", choices=("hla2", "ahla", "hla3"), default="hla2")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--dim", type=int, default=64, help="K = V")
     ap.add_argument("--flag", choices=("gamma", "g", "normalize"), default="gamma")
@@ -78,8 +80,8 @@ def main():
     ap.add_argument("--H", type=int, default=16)
     ap.add_argument("--config", type=config_changes, default={}, help=HELP)
     args = ap.parse_args()
-    out = {"dtype": args.dtype, "K": args.dim, "V": args.dim, "flag": args.flag, "B": args.B, "T": args.T,
-           "H": args.H, "pid": os.getpid(),
+    out = {"op": args.op, "dtype": args.dtype, "K": args.dim, "V": args.dim, "flag": args.flag, "B": args.B,
+           "T": args.T, "H": args.H, "pid": os.getpid(),
            "interpret": os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"), "config_changes": args.config}
     t0 = time.perf_counter()
     import torch
@@ -87,6 +89,7 @@ def main():
     import hla_fast
 
     out["import_s"] = time.perf_counter() - t0
+    from ab_revision import rule_config   # after the clock: import_s is torch and hla_fast alone
     cuda = torch.cuda.is_available()
     if not cuda and not out["interpret"]:
         raise SystemExit("no CUDA device: set TRITON_INTERPRET=1 to run the kernels on the CPU")
@@ -109,9 +112,11 @@ def main():
     do = torch.randn(B, T, H, D, device=dev, generator=gen).to(dt)
     g = -0.001 * torch.rand(B, T, H, device=dev, generator=gen)
     leaves = [x.detach().requires_grad_() for x in (q, k, v, g)]
-    rule = hla_fast.hla2_config(B, T, H, D, D, dt, dev, training=True)   # a forward + backward call
-    cfg = rule.replace(**args.config) if args.config else None   # None: the call picks the rule itself
-    out["config"] = str(cfg or rule)
+    # the rule of a forward + backward call (hla3: the stages' pair), changed by --config
+    cfg = rule_config(args.op, q, v, args.config, training=True, gated=args.flag == "g",
+                      normalize=args.flag == "normalize")
+    out["config"] = str(cfg)
+    cfg = cfg if args.config else None   # None: the call picks the rule itself
     float((leaves[0].float().sum() + leaves[3].sum()).item())  # a torch op on the device first
     sync()
     t0 = time.perf_counter()
@@ -121,12 +126,13 @@ def main():
     started = {"t": time.perf_counter()}   # reset to the first call's start, which end_s counts from
     compiles = compile_log(lambda: time.perf_counter() - started["t"])
 
+    op = getattr(hla_fast, args.op)
+
     def call():
         ql, kl, vl, gl = leaves
         if args.flag == "g":
-            return hla_fast.hla2(ql, kl, vl, g=gl, backend="triton", config=cfg)[0]
-        return hla_fast.hla2(ql, kl, vl, gamma=0.999, normalize=args.flag == "normalize", backend="triton",
-                             config=cfg)[0]
+            return op(ql, kl, vl, g=gl, backend="triton", config=cfg)[0]
+        return op(ql, kl, vl, gamma=0.999, normalize=args.flag == "normalize", backend="triton", config=cfg)[0]
 
     t0 = started["t"] = time.perf_counter()
     o = call()

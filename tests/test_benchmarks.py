@@ -103,6 +103,13 @@ def load(name):
                                           ("bench_hla2", "hla2_h100_first_call_handles"),
                                           ("bench_hla2", "hla2_h100_first_call_final"),
                                           ("bench_hla2", "hla2_h100_first_call_all"),
+                                          ("bench_hla2", "hla2_h100_first_call_ops_fp32"),
+                                          ("bench_hla2", "hla2_h100_first_call_ops_bf16"),
+                                          ("bench_hla2", "hla2_h100_first_call_ahla_fp32_one_launch"),
+                                          ("compile_report", "compile_ahla_fp32_k64_cpu"),
+                                          ("compile_report", "compile_ahla_fp32_k64_one_launch_cpu"),
+                                          ("compile_report", "compile_ahla_fp16_k64_cpu"),
+                                          ("compile_report", "compile_ahla_fp16_k64_one_launch_cpu"),
                                           ("compile_report", "compile_hla2_fp32_k64_normalize_triton36_cpu"),
                                           ("compile_report", "compile_hla2_fp32_k64_normalize_chunk64_triton36_cpu"),
                                           ("compile_report", "compile_hla2_fp32_k64_chunk32_triton36_cpu")])
@@ -333,20 +340,23 @@ def test_compile_report_refuses_a_config_that_is_not_an_object():
 
 
 
-def test_first_call_takes_a_config_under_the_interpreter():
-    """first_call.py --config: the layout a first call is timed with is the rule's config with the
-    given fields changed (here under the interpreter, where nothing is compiled)."""
+@pytest.mark.parametrize("op", ["hla2", "ahla", "hla3"])
+def test_first_call_takes_a_config_under_the_interpreter(op):
+    """first_call.py --op --config: the operator's first call, in the layout of its rule's config
+    with the given fields changed (hla3: its second stage's; here under the interpreter, where
+    nothing is compiled)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "first_call.py"), "--dtype", "fp32",
-                          "--dim", "16", "--B", "1", "--T", "40", "--H", "2",
-                          "--config", '{"grad_parts": [1, 2, 4], "bwd_warps": 8}'],
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "first_call.py"), "--op", op,
+                          "--dtype", "fp32", "--dim", "16", "--B", "1", "--T", "40", "--H", "2",
+                          "--config", '{"grad_parts": [1, 6], "bwd_warps": 8}'],
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     line = [x for x in run.stdout.splitlines() if x.startswith("FIRST_CALL_JSON ")]
     assert len(line) == 1
     out = json.loads(line[0][len("FIRST_CALL_JSON "):])
-    assert out["config_changes"] == {"grad_parts": [1, 2, 4], "bwd_warps": 8}
-    assert "grad_parts=(1, 2, 4)" in out["config"] and "bwd_warps=8" in out["config"]
+    assert out["op"] == op and out["config_changes"] == {"grad_parts": [1, 6], "bwd_warps": 8}
+    assert "grad_parts=(1, 6)" in out["config"] and "bwd_warps=8" in out["config"]
+    assert out["config"].startswith("(ChunkConfig(") == (op == "hla3")   # hla3: the stages' pair
     assert out["finite"] is True and out["fwdbwd_s"] > 0
 
 
@@ -377,6 +387,7 @@ def test_bench_hla2_first_calls_named_on_the_command_line(tmp_path):
         assert f"CPUs ({host}) (compiles share the CPUs)" in (tmp_path / "hla2_t.md").read_text()
     for option, value, message in (("--first-call-flags", "gamma,gates", "--first-call-flags takes a comma list"),
                                    ("--first-call-dtypes", "fp16", "--first-call-dtypes takes a comma list"),
+                                   ("--first-call-ops", "hla2,hla4", "--first-call-ops takes a comma list"),
                                    ("--first-call-dims", "64,x", "--first-call-dims takes positive head sizes"),
                                    ("--first-call-T", "0", "--first-call-T a positive length")):
         bad = subprocess.run([sys.executable, script, "--cpu-smoke", option, value, "--out", str(tmp_path)],

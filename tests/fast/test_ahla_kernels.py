@@ -342,6 +342,12 @@ def test_config_rule_and_wide_segments_refused(device):
     assert long.bwd_segments == 1 and long.bwd_pieces == (1 if bf16 else launch.BWD_PIECES)
     f32_train = chunk.ahla_config(4, 32768, 16, 128, 128, torch.float32, torch.device(device), 64, training=True)
     assert not f32_train.bwd_layers and f32_train.bwd_chunk == 32
+    # fp32 tiles (fp32 and fp16 inputs) of keys up to 128 wide: a gradient launch per gradient;
+    # 256-wide fp32 keys and bf16 inputs: one
+    assert f32_train.grad_parts == (1, 2, 4) and long.grad_parts == cfg.grad_parts == (7,)
+    assert chunk.ahla_config(2, 4096, 4, 256, 64, torch.float32, torch.device(device), training=True).grad_parts == (7,)
+    assert chunk.ahla_config(2, 4096, 4, 64, 64, torch.float16, torch.device(device), training=True).grad_parts == \
+        (1, 2, 4)
     assert not chunk.ahla_config(2, 4096, 4, 64, 64, torch.bfloat16, torch.device(device), 64, training=True).bwd_layers
     assert chunk.ahla_config(4, 32768, 16, 128, 128, torch.bfloat16, torch.device(device), 64).bwd_pieces == 1
     assert chunk.ahla_config(2, 4096, 4, 64, 64, torch.bfloat16, torch.device(device), 64, training=True) == cfg
@@ -416,7 +422,6 @@ out = []
 for K, V, dtype, normalize, ones in json.loads(sys.argv[1]):
     dtype = getattr(torch, dtype)
     cfg = chunk.ahla_config(1, 2049, 2, K, V, dtype, dev, training=True)
-    assert cfg.grad_parts == (7,)
     layer = cfg.bwd_layers or ones   # ones: a normalized layer's kernel (the column of ones as vectors)
     fn = jit(chunk_kernels.ahla_bwd_layer_kernel if layer else chunk_kernels.ahla_bwd_grad_kernel)
     Vn = V + normalize
@@ -433,12 +438,17 @@ for K, V, dtype, normalize, ones in json.loads(sys.argv[1]):
     if layer:
         consts.update(HAS_DQ_IN=True, HAS_DK_IN=True, DB_OWN=False, DX_TO_DK=False, NORM=ones)
     else:
-        consts.update(KEYS_PER_BLOCK=chunk.grad_keys_per_block(launch.cdiv(Vn, BV), BK, dtype), PARTS=cfg.grad_parts[0])
-    sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
-    kernel = triton_compile(src, target=GPUTarget("cuda", 90, 32), options=dict(
-        num_warps=cfg.bwd_warps, num_stages=chunk.LAYER_STAGES if layer else 1))
-    out.append(kernel.metadata.shared)
+        consts.update(KEYS_PER_BLOCK=chunk.grad_keys_per_block(launch.cdiv(Vn, BV), BK, dtype))
+    shared = 0
+    for parts in [None] if layer else cfg.grad_parts:   # every launch of the per-chunk gradients
+        if parts is not None:
+            consts["PARTS"] = parts
+        sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
+        src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
+        kernel = triton_compile(src, target=GPUTarget("cuda", 90, 32), options=dict(
+            num_warps=cfg.bwd_warps, num_stages=chunk.LAYER_STAGES if layer else 1))
+        shared = max(shared, kernel.metadata.shared)
+    out.append(shared)
 print(json.dumps(out))
 """
 
@@ -453,8 +463,11 @@ def test_grad_kernel_fits_hopper_shared_memory():
     fp32 ones, ``chunk._dstate_dtype``); and bf16 at K = 128, whose training takes the layered
     backward: its per-chunk kernel (``ahla_bwd_layer_kernel``), with loads pipelined, plain and
     normalized (three value blocks); and that kernel for HLA2's normalized outer layer (the column
-    of ones carried as vectors, NORM) at K = V = 64 and 128."""
+    of ones carried as vectors, NORM) at K = V = 64 and 128. Every launch the rule splits the
+    gradients into is compiled (fp32 tiles of keys up to 128 wide: one a gradient; at K = 256
+    normalized one of those took 228 KB, so 256-wide fp32 keys keep one launch)."""
     cases = [(128, 128, "float32", False, False), (256, 64, "float32", True, False), (256, 64, "bfloat16", True, False),
+             (64, 64, "float32", True, False), (128, 128, "float32", True, False),
              (64, 64, "float16", False, False), (64, 64, "bfloat16", True, False), (128, 128, "bfloat16", False, False),
              (128, 128, "bfloat16", True, False), (256, 256, "bfloat16", False, False),
              (64, 64, "bfloat16", False, True), (128, 128, "bfloat16", False, True)]
