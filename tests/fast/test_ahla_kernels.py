@@ -342,12 +342,10 @@ def test_config_rule_and_wide_segments_refused(device):
     assert long.bwd_segments == 1 and long.bwd_pieces == (1 if bf16 else launch.BWD_PIECES)
     f32_train = chunk.ahla_config(4, 32768, 16, 128, 128, torch.float32, torch.device(device), 64, training=True)
     assert not f32_train.bwd_layers and f32_train.bwd_chunk == 32
-    # fp32 tiles (fp32 and fp16 inputs) of keys up to 128 wide: a gradient launch per gradient;
-    # 256-wide fp32 keys and bf16 inputs: one
+    # fp32 keys up to 128 wide: a gradient launch per gradient; 256-wide fp32 keys, fp16 and bf16: one
     assert f32_train.grad_parts == (1, 2, 4) and long.grad_parts == cfg.grad_parts == (7,)
     assert chunk.ahla_config(2, 4096, 4, 256, 64, torch.float32, torch.device(device), training=True).grad_parts == (7,)
-    assert chunk.ahla_config(2, 4096, 4, 64, 64, torch.float16, torch.device(device), training=True).grad_parts == \
-        (1, 2, 4)
+    assert chunk.ahla_config(2, 4096, 4, 64, 64, torch.float16, torch.device(device), training=True).grad_parts == (7,)
     assert not chunk.ahla_config(2, 4096, 4, 64, 64, torch.bfloat16, torch.device(device), 64, training=True).bwd_layers
     assert chunk.ahla_config(4, 32768, 16, 128, 128, torch.bfloat16, torch.device(device), 64).bwd_pieces == 1
     assert chunk.ahla_config(2, 4096, 4, 64, 64, torch.bfloat16, torch.device(device), 64, training=True) == cfg
@@ -464,7 +462,7 @@ def test_grad_kernel_fits_hopper_shared_memory():
     backward: its per-chunk kernel (``ahla_bwd_layer_kernel``), with loads pipelined, plain and
     normalized (three value blocks); and that kernel for HLA2's normalized outer layer (the column
     of ones carried as vectors, NORM) at K = V = 64 and 128. Every launch the rule splits the
-    gradients into is compiled (fp32 tiles of keys up to 128 wide: one a gradient; at K = 256
+    gradients into is compiled (fp32 keys up to 128 wide: one a gradient; at K = 256
     normalized one of those took 228 KB, so 256-wide fp32 keys keep one launch)."""
     cases = [(128, 128, "float32", False, False), (256, 64, "float32", True, False), (256, 64, "bfloat16", True, False),
              (64, 64, "float32", True, False), (128, 128, "float32", True, False),

@@ -127,13 +127,15 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
       at key tiles of 128 takes 4 (faster at K = V = 128);
     * the per-chunk gradients in one launch (two or three launches, ``grad_parts``, spill fewer
       registers by ``ptxas -v`` but were slower forward + backward at both sizes, K = V = 64 and
-      128); but fp32 and fp16 inputs (fp32 tiles) with keys up to 128 wide take one launch per
-      gradient, as HLA2's fp32 calls do: the one launch of tf32x3 products was by far a first
-      training call's slowest compile (a call's kernels compile in parallel), and for fp32 the
-      three ran faster too (``compile_ahla_{fp32,fp16}_k64{,_one_launch}_cpu.md``,
-      ``ahla_h100_ab_fp32_grad_parts.json``; fp16 not timed; the first calls before and after in
-      ``hla2_h100_first_call_{ahla_fp32_one_launch,ops_fp32}.md``); with 256-wide key tiles one
-      of the three launches would take more shared memory than Hopper's 227 KB, so those keep one;
+      128); but fp32 inputs with keys up to 128 wide take one launch per gradient, as HLA2's fp32
+      calls do: the one launch of tf32x3 products was by far a first training call's slowest
+      compile (a call's kernels compile in parallel), and the three ran faster too
+      (``compile_ahla_fp32_k64{,_one_launch}_cpu.md``, ``ahla_h100_ab_fp32_grad_parts.json``; the
+      first calls before and after in ``hla2_h100_first_call_{ahla_fp32_one_launch,ops_fp32}.md``);
+      with 256-wide key tiles one of the three launches would take more shared memory than
+      Hopper's 227 KB, so those keep one. fp16 inputs (fp32 tiles too) compile the one launch as
+      slowly (``compile_ahla_fp16_k64{,_one_launch}_cpu.md``) but the split has not run on a GPU
+      in fp16, so they keep one;
     * segments: as many as keep every program in one wave (two programs a multiprocessor for key
       tiles up to 64 wide, one for 128), at least MIN_SEGMENT_CHUNKS chunks each; one for keys
       wider than SEGMENT_MAX_K;
@@ -164,7 +166,6 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     wide = max(K, V) > 64
     BK = pow2_block(K, min_key_block(device))
     bf16 = bf16_dots(dtype)
-    bf16_tiles = dtype == torch.bfloat16   # fp32 and fp16 inputs run fp32 tiles (on the GPU and interpreted)
     layers = training and bf16 and 64 < BK <= GRAD_SHARED_KEYS_MAX_K
     if chunk_size is None:
         chunk_size = 128 if bf16 and not training and 64 < BK <= 128 else DEFAULT_CHUNK
@@ -191,7 +192,7 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
                                         MIN_SEGMENT_CHUNKS)
     return ChunkConfig(fwd_chunk=fwd_chunk, bwd_chunk=bwd_chunk, fwd_segments=fwd_seg, bwd_segments=bwd_seg,
                        fwd_warps=fwd_warps, bwd_warps=bwd_warps, fwd_block_v=block_v,
-                       grad_parts=(1, 2, 4) if not bf16_tiles and BK <= 128 else (7,),
+                       grad_parts=(1, 2, 4) if dtype == torch.float32 and BK <= 128 else (7,),
                        save_states=fwd_chunk == bwd_chunk, bf16_snapshots=True,
                        bwd_pieces=1 if layers else rule_pieces(wide and training, bwd_seg, cdiv(T, bwd_chunk)),
                        fwd_stages=2 if wide_long else 1,
