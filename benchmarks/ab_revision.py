@@ -5,9 +5,10 @@ The earlier package is extracted from git into a temporary folder and imported u
 so both run on the same GPU, inputs and Triton. bf16 (``--dtype``: fp32 or fp16 inputs), B=4, H=16,
 T=32768 (``--T``), gamma=0.999, K=V in {64, 128} (``--dims``; ``--V`` another value width),
 ``--gates`` (log-gates that require grad instead of gamma), ``--normalize`` (on |q| and |k|),
-``--config`` (a change to this tree's configuration rule, to time a rule change before making it; for hla3 its second stage's); medians of triton.testing.do_bench (ms)
-of the whole call, forward under no_grad and forward + backward, the peak memory one forward + backward allocates beyond
-what was allocated before it (the inputs, do and the previous call's gradients), and the relative
+``--config`` (a change to this tree's configuration rule, to time a rule change before making it;
+for hla3 its second stage's); medians of triton.testing.do_bench (ms) of the whole call, forward
+under no_grad and forward + backward, the peak memory one forward + backward allocates beyond what
+was allocated before it (the inputs, do and the previous call's gradients), and the relative
 difference of the two revisions' outputs (of the inference forward and of the training call) and
 input gradients. ``--rounds`` (default 2) times the pair that many times, the earlier revision first
 in even rounds and last in odd ones, and reports each code's median over the rounds (each round's
@@ -36,7 +37,7 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))   # config_arg beside this script
-from config_arg import HELP, config_changes  # noqa: E402
+from config_arg import HELP, OPS, config_changes  # noqa: E402
 from records import rel_error  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}   # --dtype
@@ -141,7 +142,7 @@ def main():
     ap.add_argument("--package-dir", default=None,
                     help="a folder holding the earlier package as hla_fast_<rev> (extracted beforehand, for a "
                          "checkout without git history); default: extract it from git")
-    ap.add_argument("--op", default="hla2", choices=("hla2", "ahla", "hla3"))
+    ap.add_argument("--op", default="hla2", choices=OPS)
     ap.add_argument("--dims", default="64,128", help="comma list of K=V head sizes")
     ap.add_argument("--V", type=int, default=None, help="value width of every row (default: V = K)")
     ap.add_argument("--T", type=int, default=32768)

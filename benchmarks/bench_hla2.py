@@ -74,6 +74,7 @@ if ROOT not in sys.path:
 import hla_fast  # noqa: E402
 from hla_fast import HLA2State  # noqa: E402
 from hla_fast.ops.hla2.chunk import fused_config  # noqa: E402
+from config_arg import OPS  # noqa: E402
 from records import cpu_model, portable  # noqa: E402
 
 SECTIONS = ("decode", "main", "short", "memory", "wide", "profile", "variants", "accuracy", "first_call")
@@ -401,7 +402,6 @@ def train_memory(fn, inputs, do):
 
 FIRST_CALL_FLAGS = ("gamma", "g", "normalize")
 FIRST_CALL_DTYPES = ("fp32", "bf16")
-FIRST_CALL_OPS = ("hla2", "ahla", "hla3")
 
 
 def first_call_variants(dims=(32, 64, 128), dtypes=FIRST_CALL_DTYPES, flags=FIRST_CALL_FLAGS, ops=("hla2",)):
@@ -770,7 +770,7 @@ def render_markdown(res):
         heads += ["dtype", "K=V", "flag", "status", "fwd", "bwd", "fwd+bwd", "warm fwd+bwd", "cubins", "import"]
         heads += ["autograd"] if autograd else []
         lines += ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
-        order = lambda r: (FIRST_CALL_OPS.index(first_call_op(r)), r["dtype"], r["K"], r["flag"])  # noqa: E731
+        order = lambda r: (OPS.index(first_call_op(r)), r["dtype"], r["K"], r["flag"])  # noqa: E731
         named = lambda r: (f"{first_call_op(r)} " if ops else "") + f"{r.get('dtype')} K={r.get('K')} {r.get('flag')}"  # noqa: E731
         for r in sorted((r for r in fc if "dtype" in r), key=order):
             cells = [first_call_op(r)] if ops else []
@@ -1005,8 +1005,8 @@ def selftest():
         for _, ch in variant_changes(K):
             base.replace(**ch)
     assert len(first_call_variants()) == 18 and first_call_variants()[0]["dtype"] == "fp32"
-    every = first_call_variants(ops=FIRST_CALL_OPS)
-    assert len(every) == 54 and [v["op"] for v in every[:27:9]] == list(FIRST_CALL_OPS)
+    every = first_call_variants(ops=OPS)
+    assert len(every) == 54 and [v["op"] for v in every[:27:9]] == list(OPS)
     print(md)
     print("selftest passed", flush=True)
 
@@ -1062,7 +1062,7 @@ def main():
     ap.add_argument("--first-call-flags", default=",".join(FIRST_CALL_FLAGS),
                     help="comma list of the first calls' flags: " + ",".join(FIRST_CALL_FLAGS))
     ap.add_argument("--first-call-ops", default="hla2",
-                    help="comma list of the operators whose first calls are timed: " + ",".join(FIRST_CALL_OPS))
+                    help="comma list of the operators whose first calls are timed: " + ",".join(OPS))
     ap.add_argument("--first-call-reserve", type=float, default=150.0,
                     help="seconds the variants section leaves for accuracy + first_call")
     ap.add_argument("--no-overlap", action="store_true", help="run the first-call subprocesses after accuracy")
@@ -1107,7 +1107,7 @@ def main():
         args.first_call_dtypes, args.first_call_flags, args.first_call_ops))
     for name, given, known in (("--first-call-dtypes", fc_dtypes, FIRST_CALL_DTYPES),
                                ("--first-call-flags", fc_flags, FIRST_CALL_FLAGS),
-                               ("--first-call-ops", fc_ops, FIRST_CALL_OPS)):
+                               ("--first-call-ops", fc_ops, OPS)):
         if not given or set(given) - set(known):
             ap.error(f"{name} takes a comma list of {','.join(known)}; got {','.join(given)!r}")
     try:

@@ -46,9 +46,8 @@ for _p in (ROOT, os.path.join(ROOT, "benchmarks")):   # hla_fast, and config_arg
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from config_arg import HELP, config_changes  # noqa: E402
+from config_arg import HELP, OPS, config_changes  # noqa: E402
 
-OPS = ("hla2", "ahla", "hla3")
 SMS = 132  # multiprocessors of an H200
 TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
 ALIGNED = [["tt.divisibility", 16]]   # the attribute the JIT gives an aligned pointer or an int divisible by 16

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import json
 
+# the operators a script can be asked for by name (``--op``)
+OPS = ("hla2", "ahla", "hla3")
 HELP = "JSON object of ChunkConfig fields changed from the rule's, e.g. '{\"grad_parts\": [1, 2, 4]}'"
 
 

@@ -44,7 +44,7 @@ for _p in (ROOT, os.path.join(ROOT, "benchmarks")):   # hla_fast, and config_arg
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from config_arg import HELP, config_changes  # noqa: E402  (no torch: the import is timed below)
+from config_arg import HELP, OPS, config_changes  # noqa: E402  (no torch: the import is timed below)
 
 
 def compile_log(clock):
@@ -71,7 +71,7 @@ def compile_log(clock):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--op", choices=("hla2", "ahla", "hla3"), default="hla2")
+    ap.add_argument("--op", choices=OPS, default="hla2")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--dim", type=int, default=64, help="K = V")
     ap.add_argument("--flag", choices=("gamma", "g", "normalize"), default="gamma")
@@ -113,10 +113,10 @@ def main():
     g = -0.001 * torch.rand(B, T, H, device=dev, generator=gen)
     leaves = [x.detach().requires_grad_() for x in (q, k, v, g)]
     # the rule of a forward + backward call (hla3: the stages' pair), changed by --config
-    cfg = rule_config(args.op, q, v, args.config, training=True, gated=args.flag == "g",
-                      normalize=args.flag == "normalize")
-    out["config"] = str(cfg)
-    cfg = cfg if args.config else None   # None: the call picks the rule itself
+    rule = rule_config(args.op, q, v, args.config, training=True, gated=args.flag == "g",
+                       normalize=args.flag == "normalize")
+    out["config"] = str(rule)
+    cfg = rule if args.config else None   # None: the call picks the rule itself
     float((leaves[0].float().sum() + leaves[3].sum()).item())  # a torch op on the device first
     sync()
     t0 = time.perf_counter()
