@@ -37,10 +37,10 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))   # config_arg beside this script
-from config_arg import HELP, OPS, config_changes  # noqa: E402
+from config_arg import DTYPES as DTYPE_NAMES, HELP, OPS, config_changes  # noqa: E402
 from records import rel_error  # noqa: E402
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}   # --dtype
+DTYPES = {name: getattr(torch, t) for name, t in DTYPE_NAMES.items()}   # --dtype
 
 
 def extract(rev: str, dest: pathlib.Path) -> str:

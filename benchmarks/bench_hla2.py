@@ -23,7 +23,7 @@ Sections (default order; ``--skip a,b`` drops some, ``--sections a,b`` runs only
                 leaves room for the last section
     accuracy    relative error against the float64 torch path, fp32 and bf16, T 1k..32k
     first_call  seconds of the first forward + backward of a fresh process with an empty Triton
-                cache (compile included), bf16/fp32 x K=V 32/64/128 x gamma/g/normalize, of hla2 and of
+                cache (compile included), fp32/fp16/bf16 x K=V 32/64/128 x gamma/g/normalize, of hla2 and of
                 the operators --first-call-ops names (hla2,ahla,hla3 for all three), run as
                 subprocesses of benchmarks/first_call.py with a timeout each, one at a time unless
                 --first-call-jobs says more; overlapped with the accuracy section (which times
@@ -74,7 +74,7 @@ if ROOT not in sys.path:
 import hla_fast  # noqa: E402
 from hla_fast import HLA2State  # noqa: E402
 from hla_fast.ops.hla2.chunk import fused_config  # noqa: E402
-from config_arg import OPS  # noqa: E402
+from config_arg import DTYPES, OPS  # noqa: E402
 from records import cpu_model, portable  # noqa: E402
 
 SECTIONS = ("decode", "main", "short", "memory", "wide", "profile", "variants", "accuracy", "first_call")
@@ -401,11 +401,11 @@ def train_memory(fn, inputs, do):
 
 
 FIRST_CALL_FLAGS = ("gamma", "g", "normalize")
-FIRST_CALL_DTYPES = ("fp32", "bf16")
+FIRST_CALL_DTYPES = tuple(DTYPES)   # fp32, fp16, bf16: the slowest compiles start first
 
 
 def first_call_variants(dims=(32, 64, 128), dtypes=FIRST_CALL_DTYPES, flags=FIRST_CALL_FLAGS, ops=("hla2",)):
-    """Every (op, dtype, K=V, flag), fp32 first: they compile slowest, so they start first."""
+    """Every (op, dtype, K=V, flag), fp32 and fp16 first: they compile slowest, so they start first."""
     dtypes = sorted(dtypes, key=FIRST_CALL_DTYPES.index)
     return [{"op": op, "dtype": dt, "K": d, "flag": f} for dt in dtypes for op in ops for d in sorted(dims, reverse=True)
             for f in flags]
@@ -1004,9 +1004,9 @@ def selftest():
         base = hla_fast.ChunkConfig(fwd_chunk=64 if K == 64 else 32, bwd_chunk=64 if K == 64 else 32)
         for _, ch in variant_changes(K):
             base.replace(**ch)
-    assert len(first_call_variants()) == 18 and first_call_variants()[0]["dtype"] == "fp32"
+    assert len(first_call_variants()) == 27 and first_call_variants()[0]["dtype"] == "fp32"
     every = first_call_variants(ops=OPS)
-    assert len(every) == 54 and [v["op"] for v in every[:27:9]] == list(OPS)
+    assert len(every) == 81 and [v["op"] for v in every[:27:9]] == list(OPS)
     print(md)
     print("selftest passed", flush=True)
 
@@ -1058,7 +1058,8 @@ def main():
     ap.add_argument("--first-call-T", type=int, default=2048,
                     help="T of the first-call shape (B = 4, H = 16); 8192 times bf16 heads of 64 as first-order layers")
     ap.add_argument("--first-call-dims", default="32,64,128", help="comma list of the first calls' K = V")
-    ap.add_argument("--first-call-dtypes", default="fp32,bf16", help="comma list of the first calls' dtypes")
+    ap.add_argument("--first-call-dtypes", default=",".join(FIRST_CALL_DTYPES),
+                    help="comma list of the first calls' dtypes: " + ",".join(FIRST_CALL_DTYPES))
     ap.add_argument("--first-call-flags", default=",".join(FIRST_CALL_FLAGS),
                     help="comma list of the first calls' flags: " + ",".join(FIRST_CALL_FLAGS))
     ap.add_argument("--first-call-ops", default="hla2",

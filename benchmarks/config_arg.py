@@ -9,6 +9,9 @@ import json
 
 # the operators a script can be asked for by name (``--op``)
 OPS = ("hla2", "ahla", "hla3")
+# the input dtypes a script can be asked for by name (``--dtype``), each with its name in torch; in
+# the order a first-call run starts them (the fp32 tiles of fp32 and fp16 inputs compile slowest)
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 HELP = "JSON object of ChunkConfig fields changed from the rule's, e.g. '{\"grad_parts\": [1, 2, 4]}'"
 
 

@@ -44,7 +44,7 @@ for _p in (ROOT, os.path.join(ROOT, "benchmarks")):   # hla_fast, and config_arg
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from config_arg import HELP, OPS, config_changes  # noqa: E402  (no torch: the import is timed below)
+from config_arg import DTYPES, HELP, OPS, config_changes  # noqa: E402  (no torch: the import is timed below)
 
 
 def compile_log(clock):
@@ -72,7 +72,7 @@ def compile_log(clock):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--op", choices=OPS, default="hla2")
-    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     ap.add_argument("--dim", type=int, default=64, help="K = V")
     ap.add_argument("--flag", choices=("gamma", "g", "normalize"), default="gamma")
     ap.add_argument("--B", type=int, default=4)
@@ -100,7 +100,7 @@ def main():
         if cuda:
             torch.cuda.synchronize()
 
-    dt = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    dt = getattr(torch, DTYPES[args.dtype])
     gen = torch.Generator(device=dev).manual_seed(0)
     B, T, H, D = args.B, args.T, args.H, args.dim
     q = torch.randn(B, T, H, D, device=dev, generator=gen) * 0.3

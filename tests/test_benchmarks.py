@@ -386,7 +386,7 @@ def test_bench_hla2_first_calls_named_on_the_command_line(tmp_path):
     if host:
         assert f"CPUs ({host}) (compiles share the CPUs)" in (tmp_path / "hla2_t.md").read_text()
     for option, value, message in (("--first-call-flags", "gamma,gates", "--first-call-flags takes a comma list"),
-                                   ("--first-call-dtypes", "fp16", "--first-call-dtypes takes a comma list"),
+                                   ("--first-call-dtypes", "fp16,fp8", "--first-call-dtypes takes a comma list"),
                                    ("--first-call-ops", "hla2,hla4", "--first-call-ops takes a comma list"),
                                    ("--first-call-dims", "64,x", "--first-call-dims takes positive head sizes"),
                                    ("--first-call-T", "0", "--first-call-T a positive length")):

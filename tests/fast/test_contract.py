@@ -260,6 +260,37 @@ def test_decode_leaves_the_input_state_alone(op, device):
 
 
 @OPS
+@pytest.mark.parametrize("normalize", [False, True])
+def test_fp16_inputs_run_the_fp32_kernels(op, normalize, device, poison):
+    """fp16 inputs, widened to fp32 tiles in the kernels (fp32's products and layouts,
+    ``launch.fp32_tiles``): outputs, final states and every gradient of a random linear loss against
+    the float64 torch path on the same fp16 numbers. What is left is fp16's rounding (2^-11
+    relative) of what the call stores in the inputs' dtype and of what follows from it: o; every
+    gradient, since autograd hands the backward do rounded to o's dtype; the final states of the
+    layers and of HLA3, which sum products of the inner layer's K' and of the first stage's R, both
+    stored in fp16 (the fused kernels' states, from the inputs alone, stay at fp32's level).
+    Normalized, the backward reads the stored o in the output gradient's -(do . o) / (den + eps),
+    whose share of every gradient cancels against do / (den + eps)'s, so a few times that."""
+    B, T, H, K, V = 1, 37, 2, 12, 20
+    q, k, v = (x.half().float() for x in rand_qkv(B, T, H, K, V, seed=24, positive=normalize))
+    dk = decay_kwargs("g", B, T, H, seed=25)
+    st0 = rand_state(op, B, H, K, V, normalize, seed=26)
+    gen = torch.Generator().manual_seed(27)
+    shapes = op.state_shapes(B, H, K, V, normalize)
+    weights = [torch.randn(B, T, H, V, generator=gen, dtype=torch.float64)]
+    weights += [None if s is None else torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes.values()]
+    o, fin, got = _loss_grads(op, q, k, v, st0, dk, normalize, torch.float16, device, "triton", weights)
+    o64, fin64, want = _loss_grads(op, q, k, v, st0, dk, normalize, torch.float64, "cpu", "torch", weights)
+    assert o.dtype == torch.float16 and rel(o, o64) < 1e-3
+    for a, b in zip(fin, fin64):
+        if b is not None:
+            assert a.dtype == torch.float32 and rel(a, b) < 1e-3
+    for name in want:
+        assert got[name].dtype == (torch.float16 if name in ("dq", "dk", "dv") else torch.float32), name
+        assert rel(got[name], want[name]) < (4e-3 if normalize else 1e-3), name
+
+
+@OPS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("normalize", [False, True])
 def test_decode_step_is_one_launch(op, dtype, normalize, device, monkeypatch):

@@ -412,8 +412,13 @@ def test_configuration_rule(monkeypatch):
     c = chunk.fused_config(4, 32768, 16, 64, 64, torch.float32, cuda)
     assert (c.bwd_warps, c.grad_parts, c.bwd_segments) == (4, (1, 2, 4), 4)
     assert chunk.fused_config(4, 2048, 16, 64, 64, torch.float32, cuda).grad_parts == (1, 2, 4)
-    c = chunk.fused_config(4, 2048, 16, 64, 64, torch.float16, cuda)   # fp32 tiles: one launch would not fit
-    assert (c.fwd_segments, c.bwd_segments, c.grad_parts) == (1, 1, (1, 6))
+    # fp16 inputs (fp32 tiles, tf32x3 products): fp32's layouts, short, long, wide, gated, normalized
+    for shape in [(4, 2048, 16, 64, 64), (4, 8192, 16, 64, 64), (4, 32768, 16, 128, 128), (1, 2049, 2, 128, 128),
+                  (4, 2048, 16, 32, 48)]:
+        for kw in ({}, dict(training=True), dict(gated=True, normalize=True, training=True)):
+            f16 = chunk.fused_config(*shape, torch.float16, cuda, **kw)
+            assert f16 == chunk.fused_config(*shape, torch.float32, cuda, **kw), (shape, kw)
+    assert chunk.fused_config(4, 2048, 16, 64, 64, torch.float16, cuda).grad_parts == (1, 2, 4)
     c = chunk.fused_config(4, 32768, 16, 128, 128, torch.float32, cuda)
     assert (c.fwd_chunk, c.bwd_chunk, c.bwd_warps, c.grad_parts, c.save_states) == (16, 16, 8, (1, 2, 4), True)
     # fp32 at key tiles of 128: the fold of segments would not fit in shared memory, one segment
@@ -426,9 +431,9 @@ def test_configuration_rule(monkeypatch):
         assert c == plain.replace(fwd_chunk=chunk.NORMALIZED_FP32_CHUNK, bwd_chunk=chunk.NORMALIZED_FP32_CHUNK,
                                   fwd_segments=segments, bwd_segments=segments), (K, T)
     assert chunk.fused_config(4, 2048, 16, 64, 64, torch.float32, cuda, chunk_size=16, normalize=True).fwd_chunk == 16
-    for shape, dtype in [((4, 2048, 16, 64, 64), torch.bfloat16), ((4, 2048, 16, 64, 64), torch.float16),
-                         ((4, 2048, 16, 128, 128), torch.float32), ((4, 2048, 16, 64, 128), torch.float32)]:
-        # bf16 and fp16 (one tf32 product), and fp32 heads wider than 64, keep their chunks
+    for shape, dtype in [((4, 2048, 16, 64, 64), torch.bfloat16), ((4, 2048, 16, 128, 128), torch.float32),
+                         ((4, 2048, 16, 64, 128), torch.float32)]:
+        # bf16, and fp32 heads wider than 64, keep their chunks (fp16 takes fp32's layouts, above)
         assert chunk.fused_config(*shape, dtype, cuda, normalize=True) == chunk.fused_config(*shape, dtype, cuda), shape
     assert chunk.fused_config(1, 2049, 2, 128, 128, torch.bfloat16, cuda).fwd_segments > 1
     assert chunk.fused_config(1, 2049, 2, 64, 64, torch.float32, cuda).fwd_segments > 1

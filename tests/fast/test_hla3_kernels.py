@@ -355,6 +355,13 @@ def test_config_rule(monkeypatch):
                 assert chunk.stage_configs(second) == chunk.stage_rules(*args, training=training)
             else:
                 assert chunk.stage_configs(pair) == pair
+    # fp16 inputs (fp32 tiles, tf32x3 products): both stages take fp32's layouts
+    for shape in ((4, 32768, 16, 128, 128), (2, 4099, 4, 64, 64), (1, 2048, 2, 32, 48)):
+        for training in (False, True):
+            for gated in (False, True):
+                f16, f32 = (chunk.stage_rules(*shape, dt, cuda, gated=gated, training=training)
+                            for dt in (torch.float16, torch.float32))
+                assert f16 == f32, (shape, training, gated)
     for rule in rules + (hla_fast.ahla_config,):
         rule.cache_clear()   # nothing cached while the rule saw a GPU's layouts stays
     with pytest.raises(TypeError, match="config must be a ChunkConfig"):
@@ -535,7 +542,7 @@ def test_the_second_stage_rate_is_checked():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("one_segment", [False, True], ids=["rule", "one_segment"])
 def test_long_sequences_on_the_gpu(dtype, D, one_segment):
@@ -543,9 +550,10 @@ def test_long_sequences_on_the_gpu(dtype, D, one_segment):
     (forward segments chosen by occupancy, but for fp32 at K = 128, whose fold does not fit), and
     with both walks in one segment (the rule's layout once B * H fills the GPU): outputs, final
     state and gradients against the float64 torch path on the same rounded inputs. fp32: tf32x3
-    products (fp32's level) summed over thousands of tokens; bf16: bf16 operands, R stored in
-    bf16 between the stages (and the second stage as two first-order layers, K' stored in bf16:
-    the rule's layout there)."""
+    products (fp32's level) summed over thousands of tokens; fp16: the fp32 kernels, with R, o and
+    the gradients rounded to fp16 (2^-11 relative); bf16: bf16 operands, R stored in bf16 between
+    the stages (and the second stage as two first-order layers, K' stored in bf16: the rule's
+    layout there)."""
     B, T, H = 2, 4099, 4
     gen = torch.Generator().manual_seed(31)
     q, k = (torch.nn.functional.normalize(torch.randn(B, T, H, D, generator=gen), dim=-1) for _ in range(2))
@@ -554,11 +562,11 @@ def test_long_sequences_on_the_gpu(dtype, D, one_segment):
     q, k, v = (x.to("cuda", dtype) for x in (q, k, v))
     g = g.cuda()
     cfg = hla_fast.hla3_config(B, T, H, D, D, dtype, q.device, gated=True)
-    assert cfg.fwd_segments > 1 or (dtype == torch.float32 and D > 64), cfg
+    assert cfg.fwd_segments > 1 or (dtype != torch.bfloat16 and D > 64), cfg   # fp32 tiles: fold_fits
     assert cfg.layers == (dtype == torch.bfloat16)
     if one_segment:
         cfg = cfg.replace(fwd_segments=1, bwd_segments=1)
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    tol = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 3e-2}[dtype]
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g)]
     o, st = hla_fast.hla3(*leaves[:3], g=leaves[3], output_final_state=True, config=cfg)
     do = torch.randn(o.shape, generator=gen).to("cuda", dtype)
@@ -582,8 +590,10 @@ def test_rule_kernels_fit_hopper_shared_memory():
     """Every kernel the rule launches for a gated forward + backward at K = V = 128 (the widest
     tiles; fp32 takes tf32x3 products, which keep split copies of the operands) fits an H200's
     shared memory: the first stage's walks without AHLA's second layer and the second stage's
-    kernels at rate 2."""
-    cases = [dict(B=2, T=4099, H=4, K=128, V=128, dtype=dtype, gates=True) for dtype in ("bfloat16", "float32")]
+    kernels at rate 2. fp16 inputs too, which take fp32's layouts and products: with single tf32
+    products HLA2's gradient kernel there asked for 307 KB (``launch.dot_precision``)."""
+    cases = [dict(B=2, T=4099, H=4, K=128, V=128, dtype=dtype, gates=True)
+             for dtype in ("bfloat16", "float32", "float16")]
     shared = rule_kernels_shared("hla3", cases)
     names = {name for name, *_ in shared}
     assert {"ahla_fwd_kernel", "ahla_bwd_dh_kernel", "ahla_bwd_layer_kernel", "hla2_fwd_kernel",

@@ -54,8 +54,8 @@ from ..common.denominator import carried_denominator
 from ..common.gates import log_gamma, log_gate_grad, summed_shares
 from ..common.normalize import with_column, with_ones
 from ..common.launch import (
-    backward_pieces, bf16_dots, cdiv, dot_precision, min_key_block, min_value_block, one_wave_segments, pow2_block,
-    rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
+    backward_pieces, bf16_dots, cdiv, dot_precision, fp32_tiles, min_key_block, min_value_block, one_wave_segments,
+    pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
 )
 from .chunk_kernels import (
     ahla_bwd_dh_kernel, ahla_bwd_fold_kernel, ahla_bwd_grad_kernel, ahla_bwd_layer_kernel, ahla_bwd_state_kernel,
@@ -133,9 +133,9 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
       (``compile_ahla_fp32_k64{,_one_launch}_cpu.md``, ``ahla_h100_ab_fp32_grad_parts.json``; the
       first calls before and after in ``hla2_h100_first_call_{ahla_fp32_one_launch,ops_fp32}.md``);
       with 256-wide key tiles one of the three launches would take more shared memory than
-      Hopper's 227 KB, so those keep one. fp16 inputs (fp32 tiles too) compile the one launch as
-      slowly (``compile_ahla_fp16_k64{,_one_launch}_cpu.md``) but the split has not run on a GPU
-      in fp16, so they keep one;
+      Hopper's 227 KB, so those keep one. fp16 inputs take fp32's launches (``fp32_tiles``: the
+      same fp32 tiles and tf32x3 products; the one launch compiled as slowly for them,
+      ``compile_ahla_fp16_k64{,_one_launch}_cpu.md``);
     * segments: as many as keep every program in one wave (two programs a multiprocessor for key
       tiles up to 64 wide, one for 128), at least MIN_SEGMENT_CHUNKS chunks each; one for keys
       wider than SEGMENT_MAX_K;
@@ -161,8 +161,9 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     Shared memory (227 KB a multiprocessor on Hopper) bounds the per-chunk gradient kernel: with
     more than one value block it forms its key tiles and A, A^T in every block
     (:func:`grad_keys_per_block`), except for bf16 key tiles up to GRAD_SHARED_KEYS_MAX_K wide,
-    which fit when kept across the blocks (and are faster so); and fp16 inputs take fp32's dot
-    precision there (:func:`grad_precision`)."""
+    which fit when kept across the blocks (and are faster so); fp16 inputs take fp32's dot
+    precision (``dot_precision``: single tf32 products of fp32 tiles stage both operands of every
+    dot in shared memory, past Hopper's 227 KB at every key width)."""
     wide = max(K, V) > 64
     BK = pow2_block(K, min_key_block(device))
     bf16 = bf16_dots(dtype)
@@ -192,7 +193,7 @@ def ahla_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
                                         MIN_SEGMENT_CHUNKS)
     return ChunkConfig(fwd_chunk=fwd_chunk, bwd_chunk=bwd_chunk, fwd_segments=fwd_seg, bwd_segments=bwd_seg,
                        fwd_warps=fwd_warps, bwd_warps=bwd_warps, fwd_block_v=block_v,
-                       grad_parts=(1, 2, 4) if dtype == torch.float32 and BK <= 128 else (7,),
+                       grad_parts=(1, 2, 4) if fp32_tiles(dtype) and BK <= 128 else (7,),
                        save_states=fwd_chunk == bwd_chunk, bf16_snapshots=True,
                        bwd_pieces=1 if layers else rule_pieces(wide and training, bwd_seg, cdiv(T, bwd_chunk)),
                        fwd_stages=2 if wide_long else 1,
@@ -206,14 +207,6 @@ def bwd_blocks(K: int, V: int, device: torch.device):
     when normalizing)."""
     mvb = min_value_block(device)
     return pow2_block(K, min_key_block(device)), min(pow2_block(V, mvb), max(BWD_BLOCK_V, mvb))
-
-
-def grad_precision(dtype: torch.dtype) -> str:
-    """Dot input precision of ``ahla_bwd_grad_kernel``: ``dot_precision``'s, but fp32's (tf32x3 on
-    a GPU) for fp16 inputs, which the kernels widen to fp32 tiles. With single tf32 products of
-    fp32 tiles the compiler stages both operands of every dot in shared memory, past Hopper's
-    227 KB at every key width; with tf32x3 the kernel takes what it takes for fp32."""
-    return dot_precision(torch.float32 if dtype == torch.float16 else dtype)
 
 
 def grad_keys_per_block(n_value_blocks: int, BK: int, dtype: torch.dtype) -> bool:
@@ -451,7 +444,7 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
             launch(ahla_bwd_grad_kernel, (n, BH),
                 q=q, k=k, v=v, do=do, gc=gc, dq=dq, dk=dk, dv=dv, db=None if db is None else db[i], cs_p=cs_p,
                 cs_e=cs_e, dp_end=dp_end, de_end=de_end, log_gamma=lg, T=T, C0=c0, NP=NP, PARTS=parts,
-                KEYS_PER_BLOCK=grad_keys_per_block(NV, BK, q.dtype), **dict(common, PREC=grad_precision(q.dtype)))
+                KEYS_PER_BLOCK=grad_keys_per_block(NV, BK, q.dtype), **common)
 
     run_pieces(starts, NP, NT, de, dh0, pair, step)
     return dq, dk, dv, dh0[0], dh0[1], summed_shares(db)

@@ -67,11 +67,23 @@ def snapshot_dtype(cfg, dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if (cfg.bf16_snapshots and bf16_dots(dtype)) else torch.float32
 
 
+def fp32_tiles(dtype: torch.dtype) -> bool:
+    """Whether the kernels widen inputs of ``dtype`` to fp32 tiles on every device: fp32 and fp16
+    (not bf16, whose tiles are bf16 on a GPU). The rules give both the same layouts and the dots the
+    same precision (``dot_precision``), so that fp16 inputs run the fp32 kernels the GPU tests and
+    the shared-memory checks cover."""
+    return dtype != torch.bfloat16
+
+
 def dot_precision(dtype: torch.dtype) -> str:
-    """``tl.dot`` input precision: the tensor cores' bf16 path for half inputs; for fp32 inputs
-    ``tf32x3`` on a GPU (three tf32 products, error at fp32's level, compiled as tensor-core code)
-    and exact ``ieee`` products under the interpreter."""
-    if dtype != torch.float32:
+    """``tl.dot`` input precision: the tensor cores' bf16 path for bf16 inputs (the argument is
+    ignored for bf16 operands); for fp32 tiles (fp32 and fp16 inputs, ``fp32_tiles``) ``tf32x3`` on
+    a GPU (three tf32 products, error at fp32's level, compiled as tensor-core code) and exact
+    ``ieee`` products under the interpreter. Single tf32 products of fp32 tiles would round every
+    operand to 10 bits of mantissa, below fp16's 11, and the compiler stages both operands of every
+    such dot in shared memory: by an sm_90 compile HLA2's gradient kernel at K = V = 128 then asked
+    for 307 KB, past Hopper's 227 KB (hla_fast/README.md, "fp16 inputs")."""
+    if not fp32_tiles(dtype):
         return "tf32"
     return "ieee" if interpreter_on() else "tf32x3"
 

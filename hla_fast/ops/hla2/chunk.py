@@ -53,8 +53,8 @@ from ..common.config import DEFAULT_CHUNK, ChunkConfig, chunk_or_default, refuse
 from ..common.cumsum import GateSums
 from ..common.gates import log_gamma, log_gate_grad, summed_shares
 from ..common.launch import (
-    backward_pieces, bf16_dots, cdiv, dot_precision, even_blocks, min_key_block, min_value_block, one_wave_segments,
-    pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
+    backward_pieces, bf16_dots, cdiv, dot_precision, even_blocks, fp32_tiles, min_key_block, min_value_block,
+    one_wave_segments, pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
 )
 from ..common.normalize import normalized_output_grad, quotient, with_column, with_ones
 from .chunk_kernels import (
@@ -177,7 +177,9 @@ def fused_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, dev
     """The layout of the fused kernels for one call, by the measurements in ``benchmarks/results/``
     (the numbers, and what was tried and not kept, in hla_fast/README.md, "The configuration rule");
     a ``chunk_size`` of None stands for DEFAULT_CHUNK (64); ``training``: autograd records the call
-    (its forward keeps the chunk states for the backward):
+    (its forward keeps the chunk states for the backward). "fp32" below means fp32 and fp16 inputs
+    (``fp32_tiles``: both run on fp32 tiles with tf32x3 products, so fp16 takes fp32's layouts,
+    whose kernels the GPU tests and the shared-memory checks cover):
 
     * heads up to 64 wide: chunks of ``chunk_size`` forward (at most FP32_MAX_CHUNK for fp32 and
       fp16 inputs, whose tiles are fp32) and at most 64 backward; wider heads: chunks of at most 32
@@ -253,7 +255,7 @@ def fused_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, dev
     # bf16 values wider than 64 run in blocks of 64: with keys up to 64 a program's tiles are those of
     # K = V = 64, and so are its chunks
     wide_tiles = wide and not (dtype == torch.bfloat16 and pow2_block(K) <= 64)
-    fp32 = dtype == torch.float32
+    fp32 = fp32_tiles(dtype)   # fp32 and fp16 inputs alike: fp32 tiles, tf32x3 products
     wide_chunk = 16 if fp32 else 32   # fp32: tf32x3 products of 32-row tiles were the slowest compiles
     fwd_chunk = min(chunk_size, wide_chunk) if wide_tiles else tile_chunk(chunk_size, dtype)
     bwd_chunk = min(chunk_size, wide_chunk if wide_tiles else 64)
@@ -304,9 +306,9 @@ def fold_fits(BK: int, dtype: torch.dtype) -> bool:
     """Whether the forward's segment fold (``hla2_fwd_fold_kernel``) fits in shared memory for key
     tiles BK wide: not for fp32 inputs (tf32x3 products) with tiles wider than 64 (256 KB at 128 by
     an sm_90 compile, ``benchmarks/compile_report.py hla2 1 2049 2 128 128 float32``; an H200
-    refused the launch with OutOfResources). The same on every device, so the interpreter runs
-    the layouts a GPU does."""
-    return not (dtype == torch.float32 and BK > 64)
+    refused the launch with OutOfResources), nor for fp16 inputs, whose tiles and products are
+    fp32's. The same on every device, so the interpreter runs the layouts a GPU does."""
+    return not (fp32_tiles(dtype) and BK > 64)
 
 
 def _inner_pair(q, k, q2, k2):
