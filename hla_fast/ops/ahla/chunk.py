@@ -52,7 +52,7 @@ from ..common.config import DEFAULT_CHUNK, ChunkConfig, refuse_layers, refuse_sp
 from ..common.cumsum import GateSums, sums_at
 from ..common.denominator import carried_denominator
 from ..common.gates import log_gamma, log_gate_grad, summed_shares
-from ..common.normalize import with_column, with_ones
+from ..common.normalize import cotangent_dtype, with_column, with_ones
 from ..common.launch import (
     backward_pieces, bf16_dots, cdiv, dot_precision, fp32_tiles, min_key_block, min_value_block, one_wave_segments,
     pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
@@ -616,7 +616,7 @@ def ahla_bwd(q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, r
         # o = num / (den + eps): the unnormalized operator on [v | 1] with gradient [do / d | -(do . o) / d]
         d = (den + eps)[..., None]
         do_f = do.float()
-        do = torch.cat([do_f / d, -(do_f * o.float()).sum(-1, keepdim=True) / d], -1).to(v.dtype)
+        do = torch.cat([do_f / d, -(do_f * o.float()).sum(-1, keepdim=True) / d], -1).to(cotangent_dtype(v.dtype))
         v = with_ones(v)
         p0, e0 = with_column(p0, pn0), with_column(e0, en0)
         if any(x is not None for x in (dPT, dET, dpT, deT)):

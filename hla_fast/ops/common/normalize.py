@@ -47,7 +47,7 @@ def quotient(o: torch.Tensor, V: int, eps: float, dtype: torch.dtype) -> torch.T
 def normalized_grad_kernel(
     do, o,          # [N, V] rows of the output gradient and the (normalized) output, input dtype
     den,            # [N] fp32 denominators
-    do_num, dd,     # out: do / d [N, V] in do's dtype; dd = -(do . o) / d [N] fp32
+    do_num, dd,     # out: do / d [N, V] (cotangent_dtype); dd = -(do . o) / d [N] fp32
     eps, N,
     V: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
 ):
@@ -64,14 +64,24 @@ def normalized_grad_kernel(
     tl.store(dd + r, -tl.sum(b_do * b_o, axis=1) * rd, mask=mr)
 
 
+def cotangent_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of a normalized backward's output gradient [do / d | dd] for inputs of ``dtype``: bf16
+    for bf16 (fp32's exponent range), else fp32. d = den + eps grows with the context (at K = 256 an
+    AHLA denominator reached 9e4), so do / d falls below fp16's smallest normal number (6.1e-5),
+    where fp16 keeps fewer digits: rounded to fp16, these cotangents put dq 1.2e-2 off at
+    K = V = 256 (3.1e-3 at 128), against 2e-7 in fp32 (hla_fast/README.md, "fp16 inputs")."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
 def normalized_output_grad(do: torch.Tensor, o: torch.Tensor, den: torch.Tensor, eps: float,
                            launch=launch_kernel):
-    """(do / d [B, T, H, V] in o's dtype, dd = -(do . o) / d [B, T, H] fp32) with d = den + eps.
+    """(do / d [B, T, H, V] in ``cotangent_dtype(o.dtype)``, dd = -(do . o) / d [B, T, H] fp32) with
+    d = den + eps.
 
     do, o: [B, T, H, V] (do in any float dtype, read as fp32); den: [B, T, H] fp32."""
     B, T, H, V = o.shape
     do, o, den = do.contiguous(), o.contiguous(), den.contiguous()
-    do_num = torch.empty(B, T, H, V, device=o.device, dtype=o.dtype)
+    do_num = torch.empty(B, T, H, V, device=o.device, dtype=cotangent_dtype(o.dtype))
     dd = torch.empty(B, T, H, device=o.device, dtype=torch.float32)
     N = B * T * H
     launch(normalized_grad_kernel, (cdiv(N, ROWS),), do=do, o=o, den=den, do_num=do_num, dd=dd, eps=float(eps), N=N,
