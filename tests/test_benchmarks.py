@@ -112,7 +112,10 @@ def load(name):
                                           ("compile_report", "compile_ahla_fp16_k64_one_launch_cpu"),
                                           ("compile_report", "compile_hla2_fp32_k64_normalize_triton36_cpu"),
                                           ("compile_report", "compile_hla2_fp32_k64_normalize_chunk64_triton36_cpu"),
-                                          ("compile_report", "compile_hla2_fp32_k64_chunk32_triton36_cpu")])
+                                          ("compile_report", "compile_hla2_fp32_k64_chunk32_triton36_cpu"),
+                                          ("bench_hla2", "hla2_h100_first_call_fp16"),
+                                          ("compile_report", "compile_hla2_fp16_k64_gates_triton36_cpu"),
+                                          ("compile_report", "compile_hla2_fp32_k64_gates_triton36_cpu")])
 def test_recorded_markdown_is_rendered_from_its_json(script, stem):
     with open(os.path.join(RESULTS, stem + ".json")) as f:
         res = json.load(f)

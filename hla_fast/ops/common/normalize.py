@@ -68,8 +68,9 @@ def cotangent_dtype(dtype: torch.dtype) -> torch.dtype:
     """dtype of a normalized backward's output gradient [do / d | dd] for inputs of ``dtype``: bf16
     for bf16 (fp32's exponent range), else fp32. d = den + eps grows with the context (at K = 256 an
     AHLA denominator reached 9e4), so do / d falls below fp16's smallest normal number (6.1e-5),
-    where fp16 keeps fewer digits: rounded to fp16, these cotangents put dq 1.2e-2 off at
-    K = V = 256 (3.1e-3 at 128), against 2e-7 in fp32 (hla_fast/README.md, "fp16 inputs")."""
+    where fp16 keeps fewer digits: rounded to fp16, these cotangents put AHLA's dq 1.2e-2 off at
+    K = 256, V = 64 (3.1e-3 at K = V = 128), against 2e-7 in fp32 (hla_fast/README.md, "fp16
+    inputs")."""
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
