@@ -290,17 +290,16 @@ def test_fp16_inputs_run_the_fp32_kernels(op, normalize, device, poison):
         assert rel(got[name], want[name]) < (4e-3 if normalize else 1e-3), name
 
 
-@pytest.mark.parametrize("op", [pytest.param(o, marks=pytest.mark.xfail(
-    o.name.startswith("hla3"), strict=True, reason="open: HLA3 normalizes in torch on [v | 1], whose numerator and "
-    "denominator it stores in fp16, where they overflow (hla_fast/README.md, 'fp16 inputs')")) for o in OPERATORS],
-    ids=lambda o: o.name)
+@OPS
 def test_fp16_normalized_gradients_at_large_denominators(op, device, poison):
     """A normalized fp16 call whose denominator d = den + eps is large (q, k in (0, 1), K = 32: d
     reaches 1.6e5 for HLA2 and AHLA here, 9e4 in a long AHLA call at K = 256): the backward's
     output gradient do / d then lies below fp16's smallest normal number (for 73% of it here), so
     the kernels take it in fp32 (``normalize.cotangent_dtype``). Rounded to fp16 it put AHLA's dq
     3.2e-3 off and HLA2's 1.3e-3; kept in fp32, what is left is fp16's rounding of the stored o
-    and gradients (at most 9e-4 here). HLA3's d reaches 5.8e7, past fp16's largest number."""
+    and gradients (at most 9e-4 here). HLA3's d reaches 5.8e7, past fp16's largest number: HLA3
+    divides in torch, and the operator on [v | 1] before it stores num and den in fp32 for fp16
+    inputs (``normalize.quotient_values``; in fp16 the output was not finite)."""
     B, T, H, K, V = 1, 64, 2, 32, 16
     q, k, v = (x.half().float() for x in rand_qkv(B, T, H, K, V, seed=24, positive=True, scale=1.0))
     gen = torch.Generator().manual_seed(27)
@@ -310,6 +309,30 @@ def test_fp16_normalized_gradients_at_large_denominators(op, device, poison):
     assert rel(o, o64) < 1e-3
     for name in want:
         assert rel(got[name], want[name]) < 1e-3, name
+
+
+def test_fp16_normalized_wide_heads_at_large_denominators(device, poison):
+    """HLA2 with heads wider than 128 (fp16: feature-block pairs) divides in torch after the
+    operator on [v | 1], as HLA3 does: with q, k in (0, 1) the denominator passes fp16's largest
+    number, so num and den are stored in fp32 (``normalize.quotient_values``); output and
+    gradients against the float64 torch path on the same fp16 numbers."""
+    import hla_fast
+
+    B, T, H, K, V = 1, 40, 1, 160, 24
+    q, k, v = (x.half().float() for x in rand_qkv(B, T, H, K, V, seed=28, positive=True, scale=1.0))
+    w = torch.randn(B, T, H, V, generator=torch.Generator().manual_seed(29), dtype=torch.float64)
+
+    def call(dtype, dev, backend):
+        leaves = [x.detach().to(dev, dtype).requires_grad_() for x in (q, k, v)]
+        o, _ = hla_fast.hla2(*leaves, normalize=True, backend=backend)
+        (o.double() * w.to(dev)).sum().backward()
+        return [o] + [x.grad for x in leaves]
+
+    got = call(torch.float16, device, "triton")
+    want = call(torch.float64, "cpu", "torch")
+    assert got[0].dtype == torch.float16
+    for name, a, b in zip(["o", "dq", "dk", "dv"], got, want):
+        assert rel(a, b) < 1e-3, name
 
 
 @OPS

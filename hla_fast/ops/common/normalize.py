@@ -27,6 +27,14 @@ def with_ones(v: torch.Tensor) -> torch.Tensor:
     return torch.cat([v, torch.ones_like(v[..., :1])], -1)
 
 
+def quotient_values(v: torch.Tensor) -> torch.Tensor:
+    """``with_ones(v)`` for a call that divides in torch (``quotient``), in the dtype the operator
+    then stores its output in: fp32 for fp16 inputs, whose numerator and denominator pass fp16's
+    largest number (65504) as the context grows (HLA3's denominator reached 5.8e7 at T = 64 with
+    q, k in (0, 1): the output was not finite), else v's dtype."""
+    return with_ones(v).to(torch.float32 if v.dtype == torch.float16 else v.dtype)
+
+
 def with_column(x, col):
     """[x | col]: a state x [..., R, C] with one more column col [..., R] (zeros when col is None;
     cast to x's dtype), contiguous; None when x is None. A normalized call's state beside its

@@ -56,7 +56,7 @@ from ..common.launch import (
     backward_pieces, bf16_dots, cdiv, dot_precision, even_blocks, fp32_tiles, min_key_block, min_value_block,
     one_wave_segments, pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
 )
-from ..common.normalize import normalized_output_grad, quotient, with_column, with_ones
+from ..common.normalize import normalized_output_grad, quotient, quotient_values, with_column
 from .chunk_kernels import (
     hla2_bwd_fold_kernel, hla2_bwd_grad_kernel, hla2_bwd_ones_kernel, hla2_bwd_state_kernel, hla2_fwd_fold_kernel,
     hla2_fwd_kernel, hla2_fwd_key_walk_kernel, hla2_fwd_output_kernel, hla2_fwd_summary_kernel,
@@ -988,16 +988,17 @@ def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chu
         return HLA2ChunkFunction.apply(q, k, None, None, v, g, s0, w0, z0, gamma, normalize, eps, cfg, rate, launch)
     # a wider head, in key blocks or feature-block pairs, neither of which can divide by its share
     # of the denominator: normalized, it runs on [v | 1] (W beside z as its last column) and divides last
+    dtype = v.dtype
     if normalize:
-        v, w0 = with_ones(v), with_column(w0, z0)
+        v, w0 = quotient_values(v), with_column(w0, z0)
     if cfg.layers:
         _check_rate(rate, normalize)
         o, S, W = HLA2KeyBlockLayersFunction.apply(q, k, v, g, s0, w0, gamma, cfg, rate, launch)
     else:
         o, S, W = _feature_block_pairs(q, k, v, g, gamma, s0, w0, rate, cfg_for, launch)
     if not normalize:
-        return o.to(v.dtype), S, W, None
-    return quotient(o, V, eps, v.dtype), S, W[..., :V], W[..., V]
+        return o.to(dtype), S, W, None
+    return quotient(o, V, eps, dtype), S, W[..., :V], W[..., V]
 
 
 def _feature_block_pairs(q, k, v, g, gamma, s0, w0, rate, cfg_for, launch):

@@ -70,7 +70,7 @@ from ..common.config import ChunkConfig, chunk_or_default, refuse_ahla_fields, r
 from ..common.cumsum import GateSums
 from ..common.autograd import autograd_records, kernel_backward
 from ..common.launch import pow2_block, snapshot_dtype
-from ..common.normalize import quotient, with_column, with_ones
+from ..common.normalize import quotient, quotient_values, with_column
 from ..common.gates import log_gate_grad
 from ..hla2 import chunk as hla2_chunk
 from .state import HLA3State
@@ -284,7 +284,7 @@ def hla3_chunked(q, k, v, g, gamma, state, normalize, eps, config=None, chunk_si
         s0, p0, f0 = state.S.contiguous(), state.P, state.F
     if normalize:
         # the denominator is the numerator with v -> 1: one more value column, one more state column
-        vv = with_ones(v)
+        vv = quotient_values(v)
         if state is not None:
             p0, f0 = with_column(p0, state.p), with_column(f0, state.f)
     if state is not None:
