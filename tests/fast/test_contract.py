@@ -269,8 +269,7 @@ def test_fp16_inputs_run_the_fp32_kernels(op, normalize, device, poison):
     gradient, since autograd hands the backward do rounded to o's dtype; the final states of the
     layers and of HLA3, which sum products of the inner layer's K' and of the first stage's R, both
     stored in fp16 (the fused kernels' states, from the inputs alone, stay at fp32's level).
-    Normalized, the backward reads the stored o in the output gradient's -(do . o) / (den + eps),
-    whose share of every gradient cancels against do / (den + eps)'s, so a few times that."""
+    Measured: 2e-4 to 6e-4 for every operator and layout, normalized or not."""
     B, T, H, K, V = 1, 37, 2, 12, 20
     q, k, v = (x.half().float() for x in rand_qkv(B, T, H, K, V, seed=24, positive=normalize))
     dk = decay_kwargs("g", B, T, H, seed=25)
@@ -287,7 +286,7 @@ def test_fp16_inputs_run_the_fp32_kernels(op, normalize, device, poison):
             assert a.dtype == torch.float32 and rel(a, b) < 1e-3
     for name in want:
         assert got[name].dtype == (torch.float16 if name in ("dq", "dk", "dv") else torch.float32), name
-        assert rel(got[name], want[name]) < (4e-3 if normalize else 1e-3), name
+        assert rel(got[name], want[name]) < 1e-3, name
 
 
 @OPS
