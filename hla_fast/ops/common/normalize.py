@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .compile import launch_kernel
-from .launch import cdiv, pow2_block
+from .launch import cdiv, fp32_tiles, pow2_block
 
 # rows (tokens x heads) per program
 ROWS = 32
@@ -31,8 +31,8 @@ def quotient_values(v: torch.Tensor) -> torch.Tensor:
     """``with_ones(v)`` for a call that divides in torch (``quotient``), in the dtype the operator
     then stores its output in: fp32 for fp16 inputs, whose numerator and denominator pass fp16's
     largest number (65504) as the context grows (HLA3's denominator reached 5.8e7 at T = 64 with
-    q, k in (0, 1): the output was not finite), else v's dtype."""
-    return with_ones(v).to(torch.float32 if v.dtype == torch.float16 else v.dtype)
+    q, k in (0, 1): the output was not finite), else v's dtype (``cotangent_dtype``'s rule)."""
+    return with_ones(v).to(cotangent_dtype(v.dtype))
 
 
 def with_column(x, col):
@@ -79,7 +79,7 @@ def cotangent_dtype(dtype: torch.dtype) -> torch.dtype:
     where fp16 keeps fewer digits: rounded to fp16, these cotangents put AHLA's dq 1.2e-2 off at
     K = 256, V = 64 (3.1e-3 at K = V = 128), against 2e-7 in fp32 (hla_fast/README.md, "fp16
     inputs")."""
-    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    return torch.float32 if fp32_tiles(dtype) else torch.bfloat16
 
 
 def normalized_output_grad(do: torch.Tensor, o: torch.Tensor, den: torch.Tensor, eps: float,
