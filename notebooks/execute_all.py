@@ -5,6 +5,7 @@ from one clean run of each notebook. Usage, from the repository root::
 
     python notebooks/execute_all.py                  # every numbered notebook
     python notebooks/execute_all.py notebooks/04_decay.ipynb
+    python notebooks/execute_all.py 04_decay.ipynb   # the same notebook, named alone
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     os.environ.pop("MPLBACKEND", None)          # the inline backend, as under nbval
     paths = args.notebooks or sorted(HERE.glob("[0-9][0-9]_*.ipynb"))
+    # a bare name means the notebook of that name here; check every path before running any
+    paths = [HERE / p if not p.exists() and p.parent == pathlib.Path(".") else p for p in paths]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        parser.error(f"notebooks: no such file: {', '.join(missing)}")
     for path in paths:
         seconds = execute(path.resolve(), args.timeout)
         print(f"{path.name}: {seconds:.1f} s", file=sys.stderr)

@@ -114,6 +114,10 @@ def load(name):
                                           ("compile_report", "compile_hla2_fp32_k64_normalize_chunk64_triton36_cpu"),
                                           ("compile_report", "compile_hla2_fp32_k64_chunk32_triton36_cpu"),
                                           ("bench_hla2", "hla2_h100_first_call_fp16"),
+                                          ("bench_hla2", "hla2_h100_first_call_fp16_k32"),
+                                          ("bench_hla2", "hla2_h100_1207"),
+                                          ("bench_hla2", "hla2_h100_1207_main_short"),
+                                          ("bench_hla2", "hla2_h100_1207_rest"),
                                           ("compile_report", "compile_hla2_fp16_k64_gates_triton36_cpu"),
                                           ("compile_report", "compile_hla2_fp32_k64_gates_triton36_cpu")])
 def test_recorded_markdown_is_rendered_from_its_json(script, stem):

@@ -218,3 +218,19 @@ def test_hla_fast_without_torch_names_what_to_install():
         assert run.returncode == 0, run.stderr[-2000:]
         assert run.stdout.startswith(f"{missing} hla_fast needs PyTorch and Triton"), run.stdout
         assert f"({missing} is missing): pip install 'hla[fast]'" in run.stdout, run.stdout
+
+
+def test_execute_all_refuses_a_missing_notebook_before_running_any(capsys):
+    """notebooks/execute_all.py takes paths or bare names of notebooks in notebooks/; a name that
+    is neither stops the run before any notebook executes, with an error naming the argument."""
+    spec = importlib.util.spec_from_file_location("execute_all", ROOT / "notebooks" / "execute_all.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ran = []
+    mod.execute = lambda path, timeout: ran.append(path) or 0.0
+    with pytest.raises(SystemExit) as e:
+        mod.main(["00_map.ipynb", "no_such_notebook.ipynb"])
+    assert e.value.code == 2 and ran == []
+    assert "notebooks: no such file" in capsys.readouterr().err
+    assert mod.main(["00_map.ipynb", str(ROOT / "notebooks" / "01_naive_masked_forms.ipynb")]) == 0
+    assert [p.name for p in ran] == ["00_map.ipynb", "01_naive_masked_forms.ipynb"]

@@ -31,7 +31,8 @@ sums of one chunk size once for its forward, its backward and any recompute (``s
 Normalization: the forward carries the denominator's state (p, e) beside (P, E) and divides
 in-kernel. The backward differentiates the unnormalized operator on the value [v | 1] with the
 output gradient [do / (den + eps) | -(do . o) / (den + eps)] (the denominator is the operator
-applied to a column of ones), so the same kernels give every gradient.
+applied to a column of ones), so the same kernels give every gradient; HLA2's one-pass kernel forms
+that gradient as one [B, T, H, V + 1] tensor (``common.normalize.normalized_output_grad``).
 
 The autograd Function's passes call the plain functions :func:`ahla_fwd` and :func:`ahla_bwd`,
 whose arguments are tensors (or None) and numbers only.
@@ -52,7 +53,7 @@ from ..common.config import DEFAULT_CHUNK, ChunkConfig, refuse_layers, refuse_sp
 from ..common.cumsum import GateSums, sums_at
 from ..common.denominator import carried_denominator
 from ..common.gates import log_gamma, log_gate_grad, summed_shares
-from ..common.normalize import cotangent_dtype, with_column, with_ones
+from ..common.normalize import normalized_output_grad, with_column, with_ones
 from ..common.launch import (
     backward_pieces, bf16_dots, cdiv, dot_precision, fp32_tiles, min_key_block, min_value_block, one_wave_segments,
     pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
@@ -614,9 +615,7 @@ def ahla_bwd(q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, r
     V = v.shape[-1]
     if normalize:
         # o = num / (den + eps): the unnormalized operator on [v | 1] with gradient [do / d | -(do . o) / d]
-        d = (den + eps)[..., None]
-        do_f = do.float()
-        do = torch.cat([do_f / d, -(do_f * o.float()).sum(-1, keepdim=True) / d], -1).to(cotangent_dtype(v.dtype))
+        do = normalized_output_grad(do, o, den, eps, launch=launch, joined=True)
         v = with_ones(v)
         p0, e0 = with_column(p0, pn0), with_column(e0, en0)
         if any(x is not None for x in (dPT, dET, dpT, deT)):

@@ -55,21 +55,25 @@ def quotient(o: torch.Tensor, V: int, eps: float, dtype: torch.dtype) -> torch.T
 def normalized_grad_kernel(
     do, o,          # [N, V] rows of the output gradient and the (normalized) output, input dtype
     den,            # [N] fp32 denominators
-    do_num, dd,     # out: do / d [N, V] (cotangent_dtype); dd = -(do . o) / d [N] fp32
+    do_num, dd,     # out: do / d [N, V] (row stride NUM_STRIDE); dd = -(do . o) / d [N] (stride DD_STRIDE)
     eps, N,
     V: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
+    NUM_STRIDE: tl.constexpr, DD_STRIDE: tl.constexpr,
 ):
-    """One program per BR rows of V values (the [B, T, H, V] tensors seen as B*T*H rows)."""
+    """One program per BR rows of V values (the [B, T, H, V] tensors seen as B*T*H rows). Split,
+    do / d and dd are two tensors (NUM_STRIDE = V, DD_STRIDE = 1); joined, one [N, V + 1] tensor
+    [do / d | dd] (both strides V + 1, dd's pointer at its column V)."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)            # rows  [BR]
     c = tl.arange(0, BV)                                    # value columns [BV]
     mr = r < N
     m = mr[:, None] & (c[None, :] < V)
-    off = r.to(tl.int64)[:, None] * V + c[None, :]          # [BR, BV]
+    r64 = r.to(tl.int64)
+    off = r64[:, None] * V + c[None, :]                     # [BR, BV] in do and o
     b_do = tl.load(do + off, mask=m, other=0.0).to(tl.float32)
     b_o = tl.load(o + off, mask=m, other=0.0).to(tl.float32)
     rd = 1.0 / (tl.load(den + r, mask=mr, other=1.0) + eps)  # 1 / d  [BR]
-    tl.store(do_num + off, (b_do * rd[:, None]).to(do_num.dtype.element_ty), mask=m)
-    tl.store(dd + r, -tl.sum(b_do * b_o, axis=1) * rd, mask=mr)
+    tl.store(do_num + r64[:, None] * NUM_STRIDE + c[None, :], (b_do * rd[:, None]).to(do_num.dtype.element_ty), mask=m)
+    tl.store(dd + r64 * DD_STRIDE, (-tl.sum(b_do * b_o, axis=1) * rd).to(dd.dtype.element_ty), mask=mr)
 
 
 def cotangent_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -83,16 +87,23 @@ def cotangent_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def normalized_output_grad(do: torch.Tensor, o: torch.Tensor, den: torch.Tensor, eps: float,
-                           launch=launch_kernel):
+                           launch=launch_kernel, joined: bool = False):
     """(do / d [B, T, H, V] in ``cotangent_dtype(o.dtype)``, dd = -(do . o) / d [B, T, H] fp32) with
-    d = den + eps.
+    d = den + eps; ``joined``: the one tensor [do / d | dd] [B, T, H, V + 1] in
+    ``cotangent_dtype(o.dtype)`` instead (the gradient of the operator on [v | 1], as AHLA's
+    backward takes it).
 
     do, o: [B, T, H, V] (do in any float dtype, read as fp32); den: [B, T, H] fp32."""
     B, T, H, V = o.shape
     do, o, den = do.contiguous(), o.contiguous(), den.contiguous()
-    do_num = torch.empty(B, T, H, V, device=o.device, dtype=cotangent_dtype(o.dtype))
-    dd = torch.empty(B, T, H, device=o.device, dtype=torch.float32)
+    dtype = cotangent_dtype(o.dtype)
+    if joined:
+        both = torch.empty(B, T, H, V + 1, device=o.device, dtype=dtype)
+        do_num, dd, strides = both, both[..., V], (V + 1, V + 1)
+    else:
+        do_num = torch.empty(B, T, H, V, device=o.device, dtype=dtype)
+        dd, strides = torch.empty(B, T, H, device=o.device, dtype=torch.float32), (V, 1)
     N = B * T * H
     launch(normalized_grad_kernel, (cdiv(N, ROWS),), do=do, o=o, den=den, do_num=do_num, dd=dd, eps=float(eps), N=N,
-           V=V, BR=ROWS, BV=pow2_block(V))
-    return do_num, dd
+           V=V, BR=ROWS, BV=pow2_block(V), NUM_STRIDE=strides[0], DD_STRIDE=strides[1])
+    return both if joined else (do_num, dd)
