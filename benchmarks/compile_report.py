@@ -79,12 +79,13 @@ def hopper_launchers(op):
 def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, gates=False, normalize=False,
                     layers=False):
     """Run ``op``'s launchers on meta tensors; return (config, [(kernel, grid, kwargs), ...]).
-    normalize (HLA2 only): a normalized call, whose backward carries the ones column (``dd``).
+    normalize (HLA2 and AHLA): a normalized call, whose backward carries the ones column (``dd``;
+    AHLA's: its autograd Function rehearsed, as the call runs it).
     layers (HLA2 only): the call in the layout of ``hla2_config``, which must take the first-order
     layers for it (AHLA's single-layer kernels; in key blocks for heads wider than 128), its
     autograd Function rehearsed (forward, and backward unless forward_only)."""
-    if normalize and op != "hla2":
-        raise ValueError(f"normalize: only hla2's launchers are recorded normalized, not {op}'s")
+    if normalize and op not in ("hla2", "ahla"):
+        raise ValueError(f"normalize: only hla2's and ahla's launchers are recorded normalized, not {op}'s")
     if layers and op != "hla2":
         raise ValueError(f"layers: only hla2's calls are recorded as first-order layers, not {op}'s")
     chunk, cuda, rec = hopper_launchers(op)
@@ -108,10 +109,12 @@ def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, 
     g = torch.empty(B, T, H, device=meta) if gates else None
     gamma = None if gates else 0.999
     save = cfg.save_states and cfg.fwd_chunk == cfg.bwd_chunk and not forward_only
-    if op == "hla2" and layers:
+    if (op == "hla2" and layers) or (op == "ahla" and normalize):
         from hla_fast.ops.common.compile import rehearse
 
         def call(q, k, v, g, launch):
+            if op == "ahla":
+                return chunk.ahla_chunked(q, k, v, g, gamma, None, None, None, None, True, 1e-6, cfg, launch=launch)
             return chunk.hla2_chunked(q, k, v, g, gamma, None, None, None, normalize, 1e-6, cfg, launch=launch)
 
         rehearse(call, tuple(None if x is None else x.requires_grad_(not forward_only) for x in (q, k, v, g)), rec)
@@ -308,7 +311,7 @@ def main(argv=None):
     ap.add_argument("--config", type=config_changes, default={}, help=HELP)
     ap.add_argument("--pass", dest="which", choices=("both", "forward"), default="both")
     ap.add_argument("--gates", action="store_true", help="log-gates g (that require grad) instead of gamma")
-    ap.add_argument("--normalize", action="store_true", help="a normalized call (hla2 only)")
+    ap.add_argument("--normalize", action="store_true", help="a normalized call (hla2, ahla)")
     ap.add_argument("--layers", action="store_true",
                     help="hla2 as first-order layers in its rule's layout (hla2_config must take them)")
     ap.add_argument("--only", default=None, help="compile only kernels whose name contains this")

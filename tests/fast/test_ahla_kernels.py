@@ -477,6 +477,39 @@ def test_grad_kernel_fits_hopper_shared_memory():
         assert nbytes <= HOPPER_SHARED, (case, nbytes)
 
 
+_RECORDED = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])   # benchmarks/
+from compile_report import record_launches
+
+out = {}
+for which in ("forward", "both"):
+    cfg, launches = record_launches("ahla", 4, 4096, 16, 128, 128, torch.bfloat16, forward_only=which == "forward",
+                                    normalize=True)
+    out[which] = sorted({kernel.fn.__name__ for kernel, _, _ in launches})
+try:
+    record_launches("hla3", 1, 64, 1, 16, 16, torch.bfloat16, normalize=True)
+except ValueError as e:
+    out["hla3"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_compile_report_records_normalized_ahla_calls():
+    """``compile_report.py --normalize`` records AHLA's normalized call as it runs (its autograd
+    Function rehearsed on meta tensors): the forward walk alone for an inference forward; for a
+    training call also the one-pass output gradient and the backward's launches. Third order's
+    normalized launchers are refused by name."""
+    from .helpers import BENCHMARKS
+
+    got = json.loads(run_compiler(["-c", _RECORDED, BENCHMARKS], timeout=300).strip().splitlines()[-1])
+    assert got["forward"] == ["ahla_fwd_kernel"], got
+    assert {"ahla_fwd_kernel", "normalized_grad_kernel"} <= set(got["both"]), got
+    assert any(name.startswith("ahla_bwd") for name in got["both"]), got
+    assert got["hla3"].startswith("normalize: only hla2's and ahla's launchers"), got
+
+
 @pytest.mark.parametrize("segments", [2, 3, 5])
 @pytest.mark.parametrize("normalize", [False, True])
 def test_segments_equal_one_walk(segments, normalize, device, poison):
