@@ -98,12 +98,13 @@ def normalized_output_grad(do: torch.Tensor, o: torch.Tensor, den: torch.Tensor,
     do, o, den = do.contiguous(), o.contiguous(), den.contiguous()
     dtype = cotangent_dtype(o.dtype)
     if joined:
-        both = torch.empty(B, T, H, V + 1, device=o.device, dtype=dtype)
-        do_num, dd, strides = both, both[..., V], (V + 1, V + 1)
+        do_num = torch.empty(B, T, H, V + 1, device=o.device, dtype=dtype)
+        dd = do_num[..., V]   # the last column: the kernel's rows of do_num and dd are V + 1 apart
     else:
         do_num = torch.empty(B, T, H, V, device=o.device, dtype=dtype)
-        dd, strides = torch.empty(B, T, H, device=o.device, dtype=torch.float32), (V, 1)
+        dd = torch.empty(B, T, H, device=o.device, dtype=torch.float32)
     N = B * T * H
+    # one row a (token, head): the row strides are the buffers' own along H
     launch(normalized_grad_kernel, (cdiv(N, ROWS),), do=do, o=o, den=den, do_num=do_num, dd=dd, eps=float(eps), N=N,
-           V=V, BR=ROWS, BV=pow2_block(V), NUM_STRIDE=strides[0], DD_STRIDE=strides[1])
-    return both if joined else (do_num, dd)
+           V=V, BR=ROWS, BV=pow2_block(V), NUM_STRIDE=do_num.stride(2), DD_STRIDE=dd.stride(2))
+    return do_num if joined else (do_num, dd)
