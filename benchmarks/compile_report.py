@@ -22,6 +22,12 @@ Shared-memory tiles: every shared-memory allocation of the compiled kernel (Trit
 (``2x64x64 bf16``) is a loaded tile the compiler pipelines (``num_stages``) in that many buffers;
 ``1x..`` is one it pipelines in a single buffer, whose load each step then waits for; one without
 (``64x64 bf16``) holds a dot operand that was computed in registers.
+
+Global loads: the load instructions of the kernel's PTX by width (``ld.global.v4.b32``: 16 bytes a
+thread, ``ld.global.b16``: 2), as written once in its code (a loop's body counts once). A tile whose
+rows the compiler cannot prove 16-byte aligned is read in narrow loads (AHLA's per-chunk gradient
+kernel on 65 value columns: 288 two-byte loads; on 80, as on 64: loads of 16 bytes,
+``common.normalize``, "Width").
 """
 from __future__ import annotations
 
@@ -239,7 +245,16 @@ def compile_launch(kernel, kw, ptxas):
     return {"kernel": fn.__name__, "warps": warps, "shared_bytes": compiled.metadata.shared,
             "registers": int(regs.group(1)) if regs else None, "spill_stores": spill.get("stores", 0),
             "spill_loads": spill.get("loads", 0), "seconds": round(seconds, 2),
-            "shared_tiles": shared_tiles(compiled.asm["ttgir"])}
+            "shared_tiles": shared_tiles(compiled.asm["ttgir"]), "global_loads": global_loads(compiled.asm["ptx"])}
+
+
+def global_loads(ptx: str) -> list:
+    """[[width, count], ...] of the PTX's global load instructions (``ld.global`` with its vector
+    and element width, cache qualifiers dropped), the most frequent first (module docstring)."""
+    found = collections.Counter((m.group(1) or "") + m.group(2) for m in
+                                re.finditer(r"\bld\.global(?:\.[a-z]+[0-9]*::?[a-z0-9_:]+|\.nc|\.L[12]::[a-z0-9_]+)*"
+                                            r"(\.v[248])?(\.[bfsu](?:8|16|32|64))\b", ptx))
+    return [[w.lstrip("."), n] for w, n in sorted(found.items(), key=lambda x: (-x[1], x[0]))]
 
 
 def shared_tiles(ttgir: str) -> list:
@@ -276,13 +291,16 @@ def report(op, B, T, H, K, V, dtype, changes=None, forward_only=False, gates=Fal
 def render(res):
     # records written before the shared-memory tiles were reported render as they were
     tiles = bool(res["kernels"]) and all("shared_tiles" in r for r in res["kernels"])
+    loads = bool(res["kernels"]) and all("global_loads" in r for r in res["kernels"])
     head = ["kernel", "warps", "shared KB", "registers", "spill stores B", "spill loads B", "compile s"]
     head += ["shared-memory tiles"] if tiles else []
+    head += ["global loads"] if loads else []
     lines = [f"`{res['config']}`", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in res["kernels"]:
         cells = [f"`{r['kernel']}`", r["warps"], f"{r['shared_bytes'] / 1024:.1f}", r["registers"], r["spill_stores"],
                  r["spill_loads"], r["seconds"]]
         cells += [", ".join(f"{n} x {s}" for s, n in r["shared_tiles"])] if tiles else []
+        cells += [", ".join(f"{n} x {w}" for w, n in r["global_loads"])] if loads else []
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     total = sum(r["seconds"] for r in res["kernels"])
     n = len(res["kernels"])

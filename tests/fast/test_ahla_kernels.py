@@ -4,13 +4,15 @@ bf16 inputs, strong gates, a wide head, the configuration rule and the decode ke
 TRITON_INTERPRET=1 on a CPU, compiled on CUDA. Kernel outputs are poisoned with NaN first."""
 import importlib
 import json
+import os
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from .conftest import DEVICE, HAS_CUDA
-from .helpers import HOPPER_SHARED, brute_ahla, has_cuda_compiler, rand_gates, rand_qkv, rel, run_compiler, torch
+from .helpers import (BENCHMARKS, HOPPER_SHARED, brute_ahla, has_cuda_compiler, rand_gates, rand_qkv, rel, run_compiler,
+                      torch)
 
 import hla_fast
 from hla_fast import AHLAState, ChunkConfig
@@ -501,13 +503,28 @@ def test_compile_report_records_normalized_ahla_calls():
     Function rehearsed on meta tensors): the forward walk alone for an inference forward; for a
     training call also the one-pass output gradient and the backward's launches. Third order's
     normalized launchers are refused by name."""
-    from .helpers import BENCHMARKS
-
     got = json.loads(run_compiler(["-c", _RECORDED, BENCHMARKS], timeout=300).strip().splitlines()[-1])
     assert got["forward"] == ["ahla_fwd_kernel"], got
     assert {"ahla_fwd_kernel", "normalized_grad_kernel"} <= set(got["both"]), got
     assert any(name.startswith("ahla_bwd") for name in got["both"]), got
     assert got["hla3"].startswith("normalize: only hla2's and ahla's launchers"), got
+
+
+@pytest.mark.skipif(not has_cuda_compiler(), reason="needs triton.compiler.ASTSource, GPUTarget and the CUDA backend")
+def test_normalized_backward_reads_aligned_value_rows():
+    """A normalized training call's backward runs on [v | 1] padded to a multiple of 16 columns
+    (``common.normalize``, "Width"), so that by an sm_90 compile its per-chunk gradient kernel
+    reads every tile in wide loads: no two-byte load in its PTX (on V + 1 = 65 columns it had 288)."""
+    out = run_compiler([os.path.join(BENCHMARKS, "compile_report.py"), "ahla", "4", "4096", "16", "64", "64",
+                        "bfloat16", "--normalize", "--only", "ahla_bwd_grad_kernel", "--json"], timeout=600)
+    (row,) = json.loads(out)["kernels"]
+    widths = dict(row["global_loads"])
+
+    def nbytes(w):   # "v4.b32" -> 16, "b16" -> 2
+        vec, _, elem = w.rpartition(".")
+        return (int(vec[1:]) if vec else 1) * int(elem[1:]) // 8
+
+    assert widths and min(nbytes(w) for w in widths) >= 4, widths
 
 
 @pytest.mark.parametrize("segments", [2, 3, 5])

@@ -275,8 +275,9 @@ def test_normalized_output_gradient_in_one_pass(dtype, V, device, poison):
     """normalized_output_grad splits dL/do of o = num / (den + eps) into do / d and
     dd = -(do . o) / d, as written in float64 (rows not a multiple of a program's, V not a power of
     two); do / d in bf16 for bf16 inputs, else fp32 (below fp16's normal range for a large d).
-    Joined (AHLA's backward), the one tensor [do / d | dd] in that dtype."""
-    from hla_fast.ops.common.normalize import normalized_output_grad
+    Joined (AHLA's backward), the one tensor [do / d | dd | 0 ...] in that dtype, ones_width(V)
+    columns (its pad written as zeros over a poisoned allocation)."""
+    from hla_fast.ops.common.normalize import normalized_output_grad, ones_width
 
     gen = torch.Generator().manual_seed(V)
     do, o = (torch.randn(2, 37, 3, V, generator=gen).to(device, dtype) for _ in range(2))
@@ -289,11 +290,54 @@ def test_normalized_output_gradient_in_one_pass(dtype, V, device, poison):
     exact = 4e-3 if dtype == torch.bfloat16 else 1e-6   # the quotient rounded to bf16 on store
     assert rel(num, do.double().cpu() / d[..., None]) < exact
     assert rel(dd, want_dd) < 1e-6
-    # joined: [do / d | dd] in one tensor of do / d's dtype, as AHLA's backward takes it
+    # joined: [do / d | dd | 0 ...] in one tensor of do / d's dtype, as AHLA's backward takes it
     both = normalized_output_grad(do, o, den, 1e-3, joined=True)
-    assert both.dtype == num.dtype and both.shape == (2, 37, 3, V + 1)
+    assert both.dtype == num.dtype and both.shape == (2, 37, 3, ones_width(V))
     assert torch.equal(both[..., :V], num)
     assert rel(both[..., V], want_dd) < (exact if dtype == torch.bfloat16 else 1e-6)
+    assert torch.equal(both[..., V + 1:], torch.zeros_like(both[..., V + 1:]))
+
+
+@pytest.mark.parametrize("V", [1, 15, 16, 24, 63, 64, 70, 127, 128, 256])
+def test_ones_width_keeps_value_rows_aligned(V):
+    """[v | 1] on the Triton kernels has ones_width(V) columns: at least V + 1, a multiple of
+    ONES_ALIGN (16, so that the kernels' value rows start on 16 bytes), fewer than V + 1 + 16, and
+    no more 64-wide value blocks than V + 1 columns take (the kernels' narrowest block on CUDA)."""
+    from hla_fast.ops.common.normalize import ONES_ALIGN, ones_width
+
+    W = ones_width(V)
+    assert ONES_ALIGN == 16 and W % ONES_ALIGN == 0
+    assert V + 1 <= W < V + 1 + ONES_ALIGN
+    assert -(-W // 64) == -(-(V + 1) // 64)
+
+
+def test_padded_ones_and_columns():
+    """with_ones and with_column: [v | 1 | 0 ...] and [x | col | 0 ...] of the width asked for (V + 1
+    and C + 1 by default), gradients flowing to v and col; a width below that refused by name."""
+    from hla_fast.ops.common.normalize import quotient, with_column, with_ones
+
+    gen = torch.Generator().manual_seed(5)
+    v = torch.randn(2, 3, 4, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    vv = with_ones(v, 16)
+    assert vv.shape == (2, 3, 4, 16) and with_ones(v).shape == (2, 3, 4, 6)
+    assert torch.equal(vv[..., :5], v) and torch.equal(vv[..., 5], torch.ones_like(v[..., 0]))
+    assert torch.equal(vv[..., 6:], torch.zeros_like(vv[..., 6:]))
+    x = torch.randn(2, 4, 3, 5, generator=gen, dtype=torch.float64)
+    col = torch.randn(2, 4, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    xc = with_column(x, col, 16)
+    assert xc.shape == (2, 4, 3, 16) and torch.equal(xc[..., 5], col)
+    assert torch.equal(xc[..., 6:], torch.zeros_like(xc[..., 6:]))
+    assert torch.equal(with_column(x, None, 8)[..., 5:], torch.zeros(2, 4, 3, 3, dtype=torch.float64))
+    assert with_column(None, col, 16) is None
+    (gv, gc) = torch.autograd.grad((vv * 2).sum() + (xc * 3).sum(), (v, col))
+    assert torch.equal(gv, torch.full_like(v, 2.0)) and torch.equal(gc, torch.full_like(col, 3.0))
+    # the quotient (in fp32) reads column V, whatever follows it
+    o = torch.cat([torch.randn(2, 3, 4, 5, generator=gen, dtype=torch.float64), vv[..., 5:].detach() + 1.0], -1)
+    assert rel(quotient(o, 5, 0.5, torch.float64), o[..., :5] / (o[..., 5:6] + 0.5)) < 1e-6
+    with pytest.raises(ValueError, match="width"):
+        with_ones(v, 5)
+    with pytest.raises(ValueError, match="width"):
+        with_column(x, col, 5)
 
 
 def test_normalized_backward_runs_the_unnormalized_launches(monkeypatch, device):

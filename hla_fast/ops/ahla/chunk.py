@@ -32,7 +32,9 @@ Normalization: the forward carries the denominator's state (p, e) beside (P, E) 
 in-kernel. The backward differentiates the unnormalized operator on the value [v | 1] with the
 output gradient [do / (den + eps) | -(do . o) / (den + eps)] (the denominator is the operator
 applied to a column of ones), so the same kernels give every gradient; HLA2's one-pass kernel forms
-that gradient as one [B, T, H, V + 1] tensor (``common.normalize.normalized_output_grad``).
+that gradient as one [B, T, H, ones_width(V)] tensor (``common.normalize.normalized_output_grad``;
+[v | 1] and its gradient padded with zero columns to a multiple of 16, so that the kernels' value
+rows stay 16-byte aligned: ``common.normalize``, "Width").
 
 The autograd Function's passes call the plain functions :func:`ahla_fwd` and :func:`ahla_bwd`,
 whose arguments are tensors (or None) and numbers only.
@@ -53,7 +55,7 @@ from ..common.config import DEFAULT_CHUNK, ChunkConfig, refuse_layers, refuse_sp
 from ..common.cumsum import GateSums, sums_at
 from ..common.denominator import carried_denominator
 from ..common.gates import log_gamma, log_gate_grad, summed_shares
-from ..common.normalize import normalized_output_grad, with_column, with_ones
+from ..common.normalize import normalized_output_grad, ones_width, with_column, with_ones
 from ..common.launch import (
     backward_pieces, bf16_dots, cdiv, dot_precision, fp32_tiles, min_key_block, min_value_block, one_wave_segments,
     pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
@@ -614,17 +616,19 @@ def ahla_bwd(q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, r
         do = torch.zeros_like(v)
     V = v.shape[-1]
     if normalize:
-        # o = num / (den + eps): the unnormalized operator on [v | 1] with gradient [do / d | -(do . o) / d]
+        # o = num / (den + eps): the unnormalized operator on [v | 1] with gradient [do / d | -(do . o) / d],
+        # both padded with zero columns to a multiple of 16 (common.normalize, "Width")
+        W = ones_width(V)
         do = normalized_output_grad(do, o, den, eps, launch=launch, joined=True)
-        v = with_ones(v)
-        p0, e0 = with_column(p0, pn0), with_column(e0, en0)
+        v = with_ones(v, W)
+        p0, e0 = with_column(p0, pn0, W), with_column(e0, en0, W)
         if any(x is not None for x in (dPT, dET, dpT, deT)):
             # a missing cotangent is zero; its shape from the operator's ([B, H, K, V], [B, H, K])
             B, _, H, K = q.shape
             dPT, dET, dpT, deT = (q.new_zeros(shape, dtype=torch.float32) if x is None else x for x, shape in (
                 (dPT, (B, H, K, V)), (dET, (B, H, K, V)), (dpT, (B, H, K)), (deT, (B, H, K))))
-            dPT, dET = with_column(dPT, dpT), with_column(dET, deT)
-        PT, ET = with_column(PT, pT), with_column(ET, eT)
+            dPT, dET = with_column(dPT, dpT, W), with_column(dET, deT, W)
+        PT, ET = with_column(PT, pT, W), with_column(ET, eT, W)
     states = None if cs_p is None else (cs_p, cs_e, r)
     dq, dk, dv, dP0, dE0, db = bwd_launch(q, k, v, do, g, gamma, p0, e0, dPT, dET, cfg, states=states,
                                           want_db=want_dg, launch=launch)

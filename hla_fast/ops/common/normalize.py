@@ -7,6 +7,17 @@ dd = -(do . o) / d (one number per token and head). The backward kernels differe
 operator on [v | 1] from [do / d | dd]; this kernel forms both halves in one pass over do and o,
 instead of the half-dozen elementwise torch kernels (casts, product, row sum, divisions) that each
 read or write a [B, T, H, V] fp32 tensor.
+
+Width. On the Triton kernels [v | 1] is padded with zero columns to ``ones_width(V)``, a multiple
+of ONES_ALIGN, and so are its states and its output gradient. The kernels take the value width as
+the row stride of their value tensors ([B, T, H, V] rows, [K, V] states), so with V + 1 columns (65
+at V = 64) a row starts at any element and the compiler can neither widen a load to 16 bytes nor
+stage it asynchronously: by an sm_90 compile with Triton 3.6, AHLA's per-chunk gradient kernel at
+K = 64 on 65 values loads its tiles in 288 two-byte loads a thread, on 80 values in 44 loads of 16
+bytes, as on 64 (``compile_report.py``'s ``global_loads``; the measured times in hla_fast/README.md,
+AHLA's "Limits"). A zero value column adds nothing to any output, state or gradient (the operators
+are linear in the values), and rounding V + 1 up to a multiple of 16 never adds a value block of 64.
+The torch backend keeps V + 1 columns.
 """
 from __future__ import annotations
 
@@ -19,36 +30,59 @@ from .launch import cdiv, fp32_tiles, pow2_block
 
 # rows (tokens x heads) per program
 ROWS = 32
+# the Triton kernels' [v | 1] has a multiple of this many columns (module docstring, "Width")
+ONES_ALIGN = 16
 
 
-def with_ones(v: torch.Tensor) -> torch.Tensor:
+def ones_width(V: int) -> int:
+    """Columns of [v | 1] on the Triton kernels for V value columns: V + 1 rounded up to a
+    multiple of ONES_ALIGN (the module docstring, "Width")."""
+    return cdiv(V + 1, ONES_ALIGN) * ONES_ALIGN
+
+
+def _padded(x: torch.Tensor, col: torch.Tensor, width) -> torch.Tensor:
+    """[x | col | 0 ...] along the last dim, ``width`` columns (None: x's + 1)."""
+    C = x.shape[-1]
+    width = C + 1 if width is None else width
+    if width < C + 1:
+        raise ValueError(f"width: at least {C + 1} columns for [x | col], got {width}")
+    parts = [x, col]
+    if width > C + 1:
+        parts.append(x.new_zeros(*x.shape[:-1], width - C - 1))
+    return torch.cat(parts, -1)
+
+
+def with_ones(v: torch.Tensor, width: int | None = None) -> torch.Tensor:
     """[v | 1] along the last dim: the values of a normalized call, whose denominator is the
-    operator on the last column (v [..., V] -> [..., V + 1], v's dtype)."""
-    return torch.cat([v, torch.ones_like(v[..., :1])], -1)
+    operator on column V (v [..., V] -> [..., width], v's dtype): V + 1 columns, or ``width``
+    (``ones_width(V)`` on the Triton kernels), the columns after the ones zero."""
+    return _padded(v, torch.ones_like(v[..., :1]), width)
 
 
 def quotient_values(v: torch.Tensor) -> torch.Tensor:
-    """``with_ones(v)`` for a call that divides in torch (``quotient``), in the dtype the operator
-    then stores its output in: fp32 for fp16 inputs, whose numerator and denominator pass fp16's
-    largest number (65504) as the context grows (HLA3's denominator reached 5.8e7 at T = 64 with
-    q, k in (0, 1): the output was not finite), else v's dtype (``cotangent_dtype``'s rule)."""
-    return with_ones(v).to(cotangent_dtype(v.dtype))
+    """``with_ones(v, ones_width(V))`` for a Triton call that divides in torch (``quotient``), in
+    the dtype the operator then stores its output in: fp32 for fp16 inputs, whose numerator and
+    denominator pass fp16's largest number (65504) as the context grows (HLA3's denominator reached
+    5.8e7 at T = 64 with q, k in (0, 1): the output was not finite), else v's dtype
+    (``cotangent_dtype``'s rule)."""
+    return with_ones(v, ones_width(v.shape[-1])).to(cotangent_dtype(v.dtype))
 
 
-def with_column(x, col):
+def with_column(x, col, width: int | None = None):
     """[x | col]: a state x [..., R, C] with one more column col [..., R] (zeros when col is None;
-    cast to x's dtype), contiguous; None when x is None. A normalized call's state beside its
-    denominator's (W beside z, P beside p, ...), as the kernels on [v | 1] carry them."""
+    cast to x's dtype), contiguous, C + 1 columns or ``width`` (zeros after col); None when x is
+    None. A normalized call's state beside its denominator's (W beside z, P beside p, ...), as
+    the kernels on [v | 1] carry them."""
     if x is None:
         return None
     col = torch.zeros_like(x[..., 0]) if col is None else col.to(x.dtype)
-    return torch.cat([x, col[..., None]], -1)
+    return _padded(x, col[..., None], width)
 
 
 def quotient(o: torch.Tensor, V: int, eps: float, dtype: torch.dtype) -> torch.Tensor:
-    """The normalized output from the operator on [v | 1], o [..., V + 1]: its first V columns over
-    its last (+ eps), in fp32, then in ``dtype``."""
-    return (o[..., :V].float() / (o[..., V:].float() + eps)).to(dtype)
+    """The normalized output from the operator on [v | 1], o [..., V + 1] or wider (``ones_width``):
+    its first V columns over column V (+ eps), in fp32, then in ``dtype``."""
+    return (o[..., :V].float() / (o[..., V:V + 1].float() + eps)).to(dtype)
 
 
 @triton.jit
@@ -59,10 +93,12 @@ def normalized_grad_kernel(
     eps, N,
     V: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
     NUM_STRIDE: tl.constexpr, DD_STRIDE: tl.constexpr,
+    PAD: tl.constexpr, BP: tl.constexpr,   # zero columns after dd in a joined row, and their tile (>= PAD)
 ):
     """One program per BR rows of V values (the [B, T, H, V] tensors seen as B*T*H rows). Split,
-    do / d and dd are two tensors (NUM_STRIDE = V, DD_STRIDE = 1); joined, one [N, V + 1] tensor
-    [do / d | dd] (both strides V + 1, dd's pointer at its column V)."""
+    do / d and dd are two tensors (NUM_STRIDE = V, DD_STRIDE = 1, PAD = 0); joined, one
+    [N, ones_width(V)] tensor [do / d | dd | 0 ...] (both strides ones_width(V), dd's pointer at its
+    column V, PAD zeros after it)."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)            # rows  [BR]
     c = tl.arange(0, BV)                                    # value columns [BV]
     mr = r < N
@@ -74,6 +110,10 @@ def normalized_grad_kernel(
     rd = 1.0 / (tl.load(den + r, mask=mr, other=1.0) + eps)  # 1 / d  [BR]
     tl.store(do_num + r64[:, None] * NUM_STRIDE + c[None, :], (b_do * rd[:, None]).to(do_num.dtype.element_ty), mask=m)
     tl.store(dd + r64 * DD_STRIDE, (-tl.sum(b_do * b_o, axis=1) * rd).to(dd.dtype.element_ty), mask=mr)
+    if PAD > 0:   # the joined row's zero columns, so that the buffer needs no zeroing pass of its own
+        cp = tl.arange(0, BP)                               # [BP]
+        tl.store(do_num + r64[:, None] * NUM_STRIDE + (V + 1 + cp)[None, :],
+                 tl.zeros([BR, BP], dtype=do_num.dtype.element_ty), mask=mr[:, None] & (cp[None, :] < PAD))
 
 
 def cotangent_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -89,22 +129,24 @@ def cotangent_dtype(dtype: torch.dtype) -> torch.dtype:
 def normalized_output_grad(do: torch.Tensor, o: torch.Tensor, den: torch.Tensor, eps: float,
                            launch=launch_kernel, joined: bool = False):
     """(do / d [B, T, H, V] in ``cotangent_dtype(o.dtype)``, dd = -(do . o) / d [B, T, H] fp32) with
-    d = den + eps; ``joined``: the one tensor [do / d | dd] [B, T, H, V + 1] in
-    ``cotangent_dtype(o.dtype)`` instead (the gradient of the operator on [v | 1], as AHLA's
-    backward takes it).
+    d = den + eps; ``joined``: the one tensor [do / d | dd | 0 ...] [B, T, H, ones_width(V)] in
+    ``cotangent_dtype(o.dtype)`` instead (the gradient of the operator on ``with_ones(v,
+    ones_width(V))``, as AHLA's backward takes it).
 
     do, o: [B, T, H, V] (do in any float dtype, read as fp32); den: [B, T, H] fp32."""
     B, T, H, V = o.shape
     do, o, den = do.contiguous(), o.contiguous(), den.contiguous()
     dtype = cotangent_dtype(o.dtype)
     if joined:
-        do_num = torch.empty(B, T, H, V + 1, device=o.device, dtype=dtype)
-        dd = do_num[..., V]   # the last column: the kernel's rows of do_num and dd are V + 1 apart
+        do_num = torch.empty(B, T, H, ones_width(V), device=o.device, dtype=dtype)
+        dd = do_num[..., V]   # column V: the kernel's rows of do_num and dd are ones_width(V) apart
     else:
         do_num = torch.empty(B, T, H, V, device=o.device, dtype=dtype)
         dd = torch.empty(B, T, H, device=o.device, dtype=torch.float32)
     N = B * T * H
+    pad = do_num.shape[-1] - V - 1 if joined else 0
     # one row a (token, head): the row strides are the buffers' own along H
     launch(normalized_grad_kernel, (cdiv(N, ROWS),), do=do, o=o, den=den, do_num=do_num, dd=dd, eps=float(eps), N=N,
-           V=V, BR=ROWS, BV=pow2_block(V), NUM_STRIDE=do_num.stride(2), DD_STRIDE=dd.stride(2))
+           V=V, BR=ROWS, BV=pow2_block(V), NUM_STRIDE=do_num.stride(2), DD_STRIDE=dd.stride(2), PAD=pad,
+           BP=pow2_block(max(pad, 1)))
     return do_num if joined else (do_num, dd)

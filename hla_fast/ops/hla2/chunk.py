@@ -56,7 +56,7 @@ from ..common.launch import (
     backward_pieces, bf16_dots, cdiv, dot_precision, even_blocks, fp32_tiles, min_key_block, min_value_block,
     one_wave_segments, pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
 )
-from ..common.normalize import normalized_output_grad, quotient, quotient_values, with_column
+from ..common.normalize import normalized_output_grad, ones_width, quotient, quotient_values, with_column
 from .chunk_kernels import (
     hla2_bwd_fold_kernel, hla2_bwd_grad_kernel, hla2_bwd_ones_kernel, hla2_bwd_state_kernel, hla2_fwd_fold_kernel,
     hla2_fwd_kernel, hla2_fwd_key_walk_kernel, hla2_fwd_output_kernel, hla2_fwd_summary_kernel,
@@ -990,7 +990,7 @@ def hla2_chunked(q, k, v, g, gamma, s0, w0, z0, normalize, eps, config=None, chu
     # of the denominator: normalized, it runs on [v | 1] (W beside z as its last column) and divides last
     dtype = v.dtype
     if normalize:
-        v, w0 = quotient_values(v), with_column(w0, z0)
+        v, w0 = quotient_values(v), with_column(w0, z0, ones_width(V))   # [v | 1 | 0 ...] (common.normalize)
     if cfg.layers:
         _check_rate(rate, normalize)
         o, S, W = HLA2KeyBlockLayersFunction.apply(q, k, v, g, s0, w0, gamma, cfg, rate, launch)

@@ -97,7 +97,7 @@ def hla3_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     bit-identical, ``benchmarks/results/hla3_h200_ab_split_second_stage.json``; that
     rule's layout at K = V = 64 was the fastest of those swept,
     ``hla3_h200_second_stage_layouts_k64.json``); ``normalize``: the call normalizes (the layers
-    are not taken). V: the values the kernels see (V + 1 when normalizing). Without layers the
+    are not taken). V: the values the kernels see (``ones_width(V)`` when normalizing). Without layers the
     first stage takes AHLA's rule (:func:`first_stage_config`); a ``config`` passed to ``hla3``
     sets both, or each with a pair. The result is immutable, so it is cached.
 
@@ -284,9 +284,10 @@ def hla3_chunked(q, k, v, g, gamma, state, normalize, eps, config=None, chunk_si
         s0, p0, f0 = state.S.contiguous(), state.P, state.F
     if normalize:
         # the denominator is the numerator with v -> 1: one more value column, one more state column
+        # (padded with zero columns to a multiple of 16: common.normalize, "Width")
         vv = quotient_values(v)
         if state is not None:
-            p0, f0 = with_column(p0, state.p), with_column(f0, state.f)
+            p0, f0 = with_column(p0, state.p, vv.shape[-1]), with_column(f0, state.f, vv.shape[-1])
     if state is not None:
         p0, f0 = p0.contiguous(), f0.contiguous()
     if config is not None:
