@@ -510,21 +510,65 @@ def test_compile_report_records_normalized_ahla_calls():
     assert got["hla3"].startswith("normalize: only hla2's and ahla's launchers"), got
 
 
+@pytest.mark.parametrize("gates", [False, True])
+def test_normalized_call_walks_the_denominator_then_the_values(gates, device, poison):
+    """A normalized call runs the unnormalized walks twice (``ahla.chunk`` module docstring): the
+    forward walks the denominator on [1 | 0 ...] (ONES_ALIGN columns, outputs in fp32), then the
+    values, dividing by it as it stores them (DEN_IN); a training forward keeps both walks' states,
+    so the backward walks no forward again and runs two per-chunk gradient launches, the values'
+    and the ones column's. The recorded launches run too: outputs and gradients against float64."""
+    from hla_fast.ops.common.compile import Recorder, launch_kernel
+    from hla_fast.ops.common.normalize import ONES_ALIGN
+
+    B, T, H, K, V = 1, 40, 2, 12, 20
+    q, k, v, g = _inputs(device, B, T, H, K, V, seed=41, positive=True)
+    g = g if gates else None
+    rec = Recorder()
+
+    def launch(kernel, grid, **kw):
+        rec(kernel, grid, **kw)
+        launch_kernel(kernel, grid, **kw)
+
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    o = chunk.ahla_chunked(*leaves, g, None if gates else 0.95, None, None, None, None, True, 1e-6, _cfg(),
+                           launch=launch)[0]
+    walks = [kw for kern, _, kw in rec.launches if kern.fn.__name__ == "ahla_fwd_kernel"]
+    assert len(walks) == 2
+    assert walks[0]["V"] == ONES_ALIGN and walks[0]["o"].dtype == torch.float32 and walks[0]["den_in"] is None
+    assert walks[1]["V"] == V and walks[1]["o"].dtype == v.dtype and walks[1]["den_in"] is not None
+    assert all(kw["cs_p"] is not None and kw["ht_pn"] is None for kw in walks)   # kept states, no carried p
+    n = len(rec.launches)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(42)).to(device)
+    got = torch.autograd.grad(o, leaves, do)
+    names = [kern.fn.__name__ for kern, _, _ in rec.launches[n:]]
+    assert "ahla_fwd_kernel" not in names and names.count("ahla_bwd_grad_kernel") == 2, names
+    x64 = [x.detach().double().cpu().requires_grad_() for x in (q, k, v)]
+    o64, _ = hla_fast.ahla(*x64, g=None if g is None else g.double().cpu(), gamma=None if gates else 0.95,
+                           normalize=True, eps=1e-6, backend="torch")
+    want = torch.autograd.grad(o64, x64, do.double().cpu())
+    assert rel(o, o64) < TOL
+    for name, a, b in zip("qkv", got, want):
+        assert rel(a, b) < TOL, name
+
+
 @pytest.mark.skipif(not has_cuda_compiler(), reason="needs triton.compiler.ASTSource, GPUTarget and the CUDA backend")
 def test_normalized_backward_reads_aligned_value_rows():
-    """A normalized training call's backward runs on [v | 1] padded to a multiple of 16 columns
-    (``common.normalize``, "Width"), so that by an sm_90 compile its per-chunk gradient kernel
-    reads every tile in wide loads: no two-byte load in its PTX (on V + 1 = 65 columns it had 288)."""
+    """A normalized training call's backward is two unnormalized ones, on v and on the denominator's
+    column of ones padded with zero columns to ONES_ALIGN (``common.normalize``, "Width"), so that
+    by an sm_90 compile both per-chunk gradient launches read every tile in loads of at least 4
+    bytes (on [v | 1] of V + 1 = 65 columns, one launch, the kernel had 352 two-byte loads)."""
     out = run_compiler([os.path.join(BENCHMARKS, "compile_report.py"), "ahla", "4", "4096", "16", "64", "64",
                         "bfloat16", "--normalize", "--only", "ahla_bwd_grad_kernel", "--json"], timeout=600)
-    (row,) = json.loads(out)["kernels"]
-    widths = dict(row["global_loads"])
+    rows = json.loads(out)["kernels"]
 
     def nbytes(w):   # "v4.b32" -> 16, "b16" -> 2
         vec, _, elem = w.rpartition(".")
         return (int(vec[1:]) if vec else 1) * int(elem[1:]) // 8
 
-    assert widths and min(nbytes(w) for w in widths) >= 4, widths
+    assert len(rows) == 2, rows   # the values' and the ones column's
+    for row in rows:
+        widths = dict(row["global_loads"])
+        assert widths and min(nbytes(w) for w in widths) >= 4, widths
 
 
 @pytest.mark.parametrize("segments", [2, 3, 5])

@@ -28,13 +28,17 @@ kernels read (``common.cumsum``). Where a launcher's ``g`` is a tensor it writes
 (``chunk_sums``); the autograd Functions pass the call's ``GateSums`` instead, so a call computes the
 sums of one chunk size once for its forward, its backward and any recompute (``sums_at``).
 
-Normalization: the forward carries the denominator's state (p, e) beside (P, E) and divides
-in-kernel. The backward differentiates the unnormalized operator on the value [v | 1] with the
-output gradient [do / (den + eps) | -(do . o) / (den + eps)] (the denominator is the operator
-applied to a column of ones), so the same kernels give every gradient; HLA2's one-pass kernel forms
-that gradient as one [B, T, H, ones_width(V)] tensor (``common.normalize.normalized_output_grad``;
-[v | 1] and its gradient padded with zero columns to a multiple of 16, so that the kernels' value
-rows stay 16-byte aligned: ``common.normalize``, "Width").
+Normalization: the operator is linear in its values and the denominator is the operator applied
+to a column of ones, so a normalized call runs the unnormalized walks twice, on the values
+[1 | 0 ...] (ONES_ALIGN columns, the zeros keeping its rows 16-byte aligned: ``common.normalize``,
+"Width") and on v. The forward walks the denominator first (outputs in fp32), then the values,
+dividing as it stores them (``ahla_fwd_kernel``'s DEN_IN), and keeps both walks' states for
+training. The backward differentiates the values' walk from do / (den + eps) and the denominator's
+from dd = -(do . o) / (den + eps) (HLA2's one-pass kernel forms both,
+``common.normalize.normalized_output_grad``), each from its kept states, and sums their dq, dk in
+fp32. (Before, one forward walk carried the denominator's state (p, e) beside (P, E), and one
+backward ran on [v | 1], V + 1 columns whose rows the compiler could not align; hla_fast/README.md,
+AHLA's "What the kernels do".)
 
 The autograd Function's passes call the plain functions :func:`ahla_fwd` and :func:`ahla_bwd`,
 whose arguments are tensors (or None) and numbers only.
@@ -55,7 +59,7 @@ from ..common.config import DEFAULT_CHUNK, ChunkConfig, refuse_layers, refuse_sp
 from ..common.cumsum import GateSums, sums_at
 from ..common.denominator import carried_denominator
 from ..common.gates import log_gamma, log_gate_grad, summed_shares
-from ..common.normalize import normalized_output_grad, ones_width, with_column, with_ones
+from ..common.normalize import ONES_ALIGN, normalized_output_grad, with_column
 from ..common.launch import (
     backward_pieces, bf16_dots, cdiv, dot_precision, fp32_tiles, min_key_block, min_value_block, one_wave_segments,
     pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
@@ -262,7 +266,7 @@ def forward_layout(cfg: ChunkConfig) -> dict:
 
 def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, segments=1, prefetch=False,
                stages=1, outputs=True, normalize=False, eps=0.0, store_final=True, snapshots=None, keep_r=False,
-               second=True, v2=None, p20=None, qp=None, launch=launch_kernel):
+               second=True, v2=None, p20=None, qp=None, den_in=None, out_dtype=None, launch=launch_kernel):
     """Run the forward walk (after the segment summaries and fold when ``segments > 1``).
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H], its GateSums or None; all contiguous. p0, e0: fp32
@@ -283,6 +287,9 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
     start of t's chunk (``common.denominator``): R is normalized as with ``normalize``, its
     denominator formed from qp instead of a carried p, and returned in den; p_T and its snapshots are
     not (``ahla_fwd_kernel``'s DIVIDE; :func:`normalized_layer_fwd`).
+    den_in (with second=True, unnormalized): the denominator fp32 [B, T, H] from a walk of its own;
+    o is divided by (den_in + eps) (``ahla_fwd_kernel``'s DEN_IN; :func:`ahla_fwd`). out_dtype: o's
+    dtype (None: v's).
     Returns (o [B, T, H, V] or None, den [B, T, H] fp32 or None, P_T, E_T, p_T or None,
     e_T or None, (cs_p, cs_e, R or None, cs_pn or None) or None, (R2, P2_T or None, cs_p2 or None) or None;
     cs_p, cs_e [B*H, NT, K, V], cs_pn fp32 [B*H, NT, K] (a normalized first layer's))."""
@@ -296,6 +303,8 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
         raise ValueError("a second value tensor (v2) is for the first layer alone (second=False)")
     if qp is not None and (second or normalize or v2 is not None):
         raise ValueError("a carried denominator (qp) is for an unnormalized first layer alone (second=False)")
+    if den_in is not None and (not second or normalize or not outputs):
+        raise ValueError("a denominator to divide by (den_in) is for the unnormalized outputs of both layers (second=True)")
     V2 = 0 if v2 is None else v2.shape[-1]
     BV = value_block(V, block_v if v2 is None else pow2_block(V), dev)
     BV2 = value_block(V2, pow2_block(V2), dev) if V2 else 16   # (16: an unused placeholder tile)
@@ -342,7 +351,7 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
             launch(ahla_fwd_fold_kernel, (1, BH), sum_p=sum_p2, sum_e=None, sum_pn=None, sum_en=None, sum_r=None,
                    sum_lr=sums["sum_lr"], h0_p=p20, h0_e=None, h0_pn=None, h0_en=None, seg_p=h02, seg_e=None,
                    seg_pn=None, seg_en=None, V=V2, BV=BV2, **fold)
-    o = torch.empty_like(v) if (outputs and second) else None
+    o = torch.empty_like(v, dtype=out_dtype) if (outputs and second) else None
     den = torch.empty(B, T, H, device=dev, dtype=f32) if (((outputs or not second) and normalize)
                                                            or qp is not None) else None
     ht = (None,) * 4
@@ -365,7 +374,7 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
         out2 = (torch.empty_like(v2), torch.empty(B, H, K, V2, device=dev, dtype=f32) if store_final else None,
                 None if cs is None else torch.empty(BH, NT, K, V2, device=dev, dtype=snapshots))
     launch(ahla_fwd_kernel, (NV, nseg, BH),
-        q=q, k=k, v=v, gc=gc, o=o, den=den, qp=qp, h0_p=h0[0], h0_e=h0[1], h0_pn=h0[2], h0_en=h0[3],
+        q=q, k=k, v=v, gc=gc, o=o, den=den, qp=qp, den_in=den_in, h0_p=h0[0], h0_e=h0[1], h0_pn=h0[2], h0_en=h0[3],
         ht_p=ht[0], ht_e=ht[1], ht_pn=ht[2], ht_en=ht[3],
         cs_p=None if cs is None else cs[0], cs_e=None if cs is None else cs[1], cs_pn=None if cs is None else cs[3],
         r=r,
@@ -375,15 +384,15 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
 
 
 def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *, states=None, want_db=False,
-               launch=launch_kernel):
+               grad_dtype=None, launch=launch_kernel):
     """Gradients of the unnormalized operator.
 
     q, k: [B, T, H, K]; v, do: [B, T, H, V]; g: [B, T, H], its GateSums or None; p0, e0: fp32 initial state
     [B, H, K, V] or None; dht_p, dht_e: gradient of the final state (fp32 [B, H, K, V]) or None.
     states: what a forward with chunk ``cfg.bwd_chunk`` kept, (cs_p, cs_e, R or None) (R with
     ``cfg.bwd_layers``), or None to recompute them. want_db: also return dL/db [B, T, H] fp32
-    (without the final state's share).
-    Returns dq, dk, dv (input dtypes), dP0, dE0 (fp32, None without p0), db (or None)."""
+    (without the final state's share). grad_dtype: dq's and dk's dtype (None: the inputs').
+    Returns dq, dk (grad_dtype), dv (v's dtype), dP0, dE0 (fp32, None without p0), db (or None)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     BH, dev, f32 = B * H, q.device, torch.float32
@@ -398,7 +407,7 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
                             keep_r=cfg.bwd_layers, launch=launch, **layout)[6]
     do = do.contiguous()
     if cfg.bwd_layers:
-        return _bwd_layers(q, k, v, do, g, gamma, p0, dht_p, dht_e, cfg, states, want_db, launch)
+        return _bwd_layers(q, k, v, do, g, gamma, p0, dht_p, dht_e, cfg, states, want_db, grad_dtype, launch)
     cs_p, cs_e = states[:2]
     flags, lg = _common(q, gamma, g)
     common = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, num_warps=nw, num_stages=cfg.bwd_stages, **flags)
@@ -431,7 +440,8 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
     dst = _dstate_dtype(snap, BK)
     dp_end = torch.empty(BH, NP, K, V, device=dev, dtype=dst)
     de_end = torch.empty(BH, NP, K, V, device=dev, dtype=dst)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk = (torch.empty_like(x, dtype=grad_dtype) for x in (q, k))
+    dv = torch.empty_like(v)
     db = torch.empty(len(cfg.grad_parts), B, T, H, device=dev, dtype=f32) if want_db else None
 
     def pair(zero):
@@ -453,21 +463,22 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
     return dq, dk, dv, dh0[0], dh0[1], summed_shares(db)
 
 
-def _bwd_layers(q, k, v, do, g, gamma, p0, dht_p, dht_e, cfg: ChunkConfig, states, want_db, launch):
+def _bwd_layers(q, k, v, do, g, gamma, p0, dht_p, dht_e, cfg: ChunkConfig, states, want_db, grad_dtype, launch):
     """``bwd_launch`` as two first-order backwards (``ChunkConfig.bwd_layers``; the kernels'
     module docstring): the outer layer O = LA(Q, K, R) with state E, then the inner R = LA(Q, K, V)
     with state P (:func:`layer_bwd` each). The outer's gives dR, the inner's output gradient; its
     dq, dk wait in dq, dk (in their dtype) for the inner's to be added, and db comes with the sums.
     states: (cs_p, cs_e, R) at chunk ``cfg.bwd_chunk``. Returns as ``bwd_launch``."""
     cs_p, cs_e, r = states[:3]
-    dr, dq, dk, dE0, _ = layer_bwd(q, k, r, do, g, gamma, cs_e, dht_e, p0 is not None, cfg, launch=launch)
+    dr, dq, dk, dE0, _ = layer_bwd(q, k, r, do, g, gamma, cs_e, dht_e, p0 is not None, cfg, grad_dtype=grad_dtype,
+                                   launch=launch)
     dv, dq, dk, dP0, db = layer_bwd(q, k, v, dr, g, gamma, cs_p, dht_p, p0 is not None, cfg, dq_in=dq, dk_in=dk,
                                     want_db=want_db, db_own=False, launch=launch)
     return dq, dk, dv, dP0, dE0, db
 
 
 def layer_bwd(q, k, x, dy, g, gamma, h0, dht, want_dh0, cfg: ChunkConfig, *, dq_in=None, dk_in=None,
-              want_db=False, db_own=True, x_is_k=False, launch=launch_kernel):
+              want_db=False, db_own=True, x_is_k=False, grad_dtype=None, launch=launch_kernel):
     """The backward of one first-order layer Y = LA(Q, K, X) (gated linear attention with state H,
     y_t = q_t^T H_t, H_t = a_t H_{t-1} + k_t x_t^T): a walk over the chunks from last to first
     giving every chunk's end-state gradient (``ahla_bwd_dh_kernel``, programs over key blocks of
@@ -479,9 +490,11 @@ def layer_bwd(q, k, x, dy, g, gamma, h0, dht, want_dh0, cfg: ChunkConfig, *, dq_
     (q's dtype; may be the tensors returned) added before storing. want_db: dL/db [B, T, H] fp32
     (without the final state's share) of this layer alone (db_own) or of the sums with dq_in, dk_in.
     x_is_k: x is k itself (HLA2's inner layer K' = LA(Q, K, K)): the returned dk includes dx.
-    Returns dx, dq, dk (inputs' dtypes), dH0 (fp32, or None), db (or None)."""
+    grad_dtype: dq's and dk's dtype without dq_in, dk_in (None: the inputs').
+    Returns dx, dq, dk (inputs' dtypes, or grad_dtype), dH0 (fp32, or None), db (or None)."""
     dx, dq, dk, dh0, _, db = _layer_bwd(q, k, x, dy, g, gamma, h0, dht, want_dh0, cfg, None, dq_in=dq_in, dk_in=dk_in,
-                                        want_db=want_db, db_own=db_own, x_is_k=x_is_k, launch=launch)
+                                        want_db=want_db, db_own=db_own, x_is_k=x_is_k, grad_dtype=grad_dtype,
+                                        launch=launch)
     return dx, dq, dk, dh0, db
 
 
@@ -498,7 +511,7 @@ def normalized_layer_bwd(q, k, x, dy, dd, g, gamma, h0, z0, dht, dzt, want_dh0, 
 
 
 def _layer_bwd(q, k, x, dy, g, gamma, h0, dht, want_dh0, cfg: ChunkConfig, norm, *, dq_in=None, dk_in=None,
-               want_db=False, db_own=True, x_is_k=False, launch=launch_kernel):
+               want_db=False, db_own=True, x_is_k=False, grad_dtype=None, launch=launch_kernel):
     """:func:`layer_bwd`, normalized when ``norm`` is (dd, z0, dzt) (:func:`normalized_layer_bwd`):
     returns (dx, dq, dk, dH0, dp0 (None unless normalized with want_dh0), db)."""
     B, T, H, K = q.shape
@@ -514,8 +527,8 @@ def _layer_bwd(q, k, x, dy, g, gamma, h0, dht, want_dh0, cfg: ChunkConfig, norm,
     dht = None if dht is None else dht.float().contiguous()
     dh_end = torch.empty(BH, NT, K, V, device=dev, dtype=_dstate_dtype(h0.dtype, BK))
     dx = torch.empty_like(x)
-    dq = torch.empty_like(q) if dq_in is None else dq_in
-    dk = torch.empty_like(k) if dk_in is None else dk_in
+    dq = torch.empty_like(q, dtype=grad_dtype) if dq_in is None else dq_in
+    dk = torch.empty_like(k, dtype=grad_dtype) if dk_in is None else dk_in
     db = torch.empty(B, T, H, device=dev, dtype=f32) if want_db else None
     dd, z0, dzt = (None,) * 3 if norm is None else norm
     dz_end = dz0 = None
@@ -591,58 +604,87 @@ def ahla_fwd(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg: ChunkConf
              launch=launch_kernel):
     """The forward pass: q, k [B, T, H, K], v [B, T, H, V], g [B, T, H], its GateSums or None (contiguous);
     p0, e0 fp32 [B, H, K, V] or None; pn0, en0 fp32 [B, H, K] or None; gamma a float or None.
-    keep_states: store the chunk-start states for :func:`ahla_bwd` (only without normalize and
-    when ``cfg.fwd_chunk == cfg.bwd_chunk``; else nothing is kept), and with ``cfg.bwd_layers``
-    the first order's output R.
+    Normalized, two walks: the denominator's, the operator on the values [1 | 0 ...]
+    (:func:`_ones_column`; its outputs, den, stored in fp32), then the values' walk, which divides
+    its outputs by (den + eps) as it stores them (``ahla_fwd_kernel``'s DEN_IN). keep_states: store
+    the chunk-start states of each walk for :func:`ahla_bwd` when ``cfg.fwd_chunk == cfg.bwd_chunk``
+    (else nothing is kept), and with ``cfg.bwd_layers`` each walk's first-order output R.
     Returns (o [B, T, H, V], den [B, T, H] fp32 or None, P_T, E_T [B, H, K, V], p_T, e_T [B, H, K]
-    or None, cs_p, cs_e [B*H, NT, K, V] or None, R [B, T, H, V] or None)."""
+    or None, cs_p, cs_e [B*H, NT, K, V] or None, R [B, T, H, V] or None, and the denominator walk's
+    (cs_p, cs_e, R) on its ONES_ALIGN columns, each None when not kept)."""
     _check_config(cfg, q.shape[-1])
-    save = keep_states and not normalize and cfg.fwd_chunk == cfg.bwd_chunk
-    o, den, PT, ET, pT, eT, cs, _ = fwd_launch(
-        q, k, v, g, gamma, p0, e0, pn0, en0, **forward_layout(cfg), normalize=normalize, eps=eps,
-        snapshots=snapshot_dtype(cfg, q.dtype) if save else None, keep_r=cfg.bwd_layers, launch=launch)
+    save = keep_states and cfg.fwd_chunk == cfg.bwd_chunk
+    walk = dict(forward_layout(cfg), snapshots=snapshot_dtype(cfg, q.dtype) if save else None, keep_r=cfg.bwd_layers,
+                launch=launch)
+    den = pT = eT = None
+    kept1 = (None,) * 3
+    if normalize:
+        ones, p1, e1 = _ones_column(v, p0, pn0, en0)
+        d1, _, P1, E1, _, _, cs1, _ = fwd_launch(q, k, ones, g, gamma, p1, e1, None, None, out_dtype=torch.float32,
+                                                 **walk)
+        den, pT, eT = d1[..., 0].contiguous(), P1[..., 0].contiguous(), E1[..., 0].contiguous()
+        kept1 = kept1 if cs1 is None else cs1[:3]
+    o, _, PT, ET, _, _, cs, _ = fwd_launch(q, k, v, g, gamma, p0, e0, None, None, eps=eps, den_in=den, **walk)
     cs = (None, None, None) if cs is None else cs[:3]
-    return (o, den, PT, ET, pT, eT) + cs
+    return (o, den, PT, ET, pT, eT) + cs + (kept1,)
 
 
 def ahla_bwd(q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, r, do, dPT, dET, dpT, deT,
-             gamma, normalize, eps, cfg: ChunkConfig, want_dg=False, launch=launch_kernel):
+             gamma, normalize, eps, cfg: ChunkConfig, want_dg=False, kept1=(None, None, None), launch=launch_kernel):
     """The backward pass of :func:`ahla_fwd`: its inputs, its outputs (o and den are read only
     when normalizing), its kept states and R (or None), and the cotangents do [B, T, H, V] (or None),
-    dPT, dET [B, H, K, V], dpT, deT [B, H, K] (each or None).
+    dPT, dET [B, H, K, V], dpT, deT [B, H, K] (each or None); kept1: the denominator walk's kept
+    (cs_p, cs_e, R) (None: recomputed).
     Returns (dq, dk, dv, dg or None, dP0, dE0, dp0, de0; the state gradients None without p0,
     dp0 and de0 None unless normalizing)."""
     if do is None:
         do = torch.zeros_like(v)
-    V = v.shape[-1]
+    dd = None
     if normalize:
-        # o = num / (den + eps): the unnormalized operator on [v | 1] with gradient [do / d | -(do . o) / d],
-        # both padded with zero columns to a multiple of 16 (common.normalize, "Width")
-        W = ones_width(V)
-        do = normalized_output_grad(do, o, den, eps, launch=launch, joined=True)
-        v = with_ones(v, W)
-        p0, e0 = with_column(p0, pn0, W), with_column(e0, en0, W)
-        if any(x is not None for x in (dPT, dET, dpT, deT)):
-            # a missing cotangent is zero; its shape from the operator's ([B, H, K, V], [B, H, K])
-            B, _, H, K = q.shape
-            dPT, dET, dpT, deT = (q.new_zeros(shape, dtype=torch.float32) if x is None else x for x, shape in (
-                (dPT, (B, H, K, V)), (dET, (B, H, K, V)), (dpT, (B, H, K)), (deT, (B, H, K))))
-            dPT, dET = with_column(dPT, dpT, W), with_column(dET, deT, W)
-        PT, ET = with_column(PT, pT, W), with_column(ET, eT, W)
+        # o = num / (den + eps): the gradients of num (do / d) and of den (dd = -(do . o) / d)
+        do, dd = normalized_output_grad(do, o, den, eps, launch=launch)
+    grad_dtype = torch.float32 if normalize else None   # the two parts' dq, dk are summed in fp32
     states = None if cs_p is None else (cs_p, cs_e, r)
     dq, dk, dv, dP0, dE0, db = bwd_launch(q, k, v, do, g, gamma, p0, e0, dPT, dET, cfg, states=states,
-                                          want_db=want_dg, launch=launch)
+                                          want_db=want_dg, grad_dtype=grad_dtype, launch=launch)
     dp0 = de0 = None
     if normalize:
-        dv = dv[..., :V]
-        if dP0 is not None:
-            dP0, dp0 = dP0[..., :V].contiguous(), dP0[..., V].contiguous()
-            dE0, de0 = dE0[..., :V].contiguous(), dE0[..., V].contiguous()
+        # the denominator's part: the operator on [1 | 0 ...] from (p0, e0), with gradient [dd | 0 ...]
+        # and the cotangents of (p_T, e_T), from the denominator walk's kept states (else recomputed)
+        ones, p1, e1 = _ones_column(v, p0, pn0, en0)
+        dd = _column(dd, do)
+        dp1, de1 = (None if x is None else _column(x.float(), x.float()) for x in (dpT, deT))
+        kept1 = None if kept1[0] is None else kept1
+        dq1, dk1, _, dp0, de0, db1 = bwd_launch(q, k, ones, dd, g, gamma, p1, e1, dp1, de1, cfg, states=kept1,
+                                                want_db=want_dg, grad_dtype=grad_dtype, launch=launch)
+        dq, dk = (dq + dq1).to(q.dtype), (dk + dk1).to(k.dtype)
+        if dp0 is not None:
+            dp0, de0 = dp0[..., 0].contiguous(), de0[..., 0].contiguous()
+        if db is not None:
+            db += db1
     dg = None
     if want_dg:
-        # the final state carries the factor exp(b_T) (P_T and E_T alike): its share of dL/db_T
-        dg = log_gate_grad(db, ((PT, dPT, 1.0), (ET, dET, 1.0)), g.dtype)
+        # the final state carries the factor exp(b_T) (P_T and E_T alike, p_T and e_T too): its share of dL/db_T
+        dg = log_gate_grad(db, ((PT, dPT, 1.0), (ET, dET, 1.0), (pT, dpT, 1.0), (eT, deT, 1.0)), g.dtype)
     return dq, dk, dv, dg, dP0, dE0, dp0, de0
+
+
+def _column(col, like):
+    """[col | 0 ...]: col [..., R] as the first of ONES_ALIGN columns [..., R, ONES_ALIGN], in
+    like's dtype (the zero columns add nothing to the operator, linear in its values, and keep its
+    rows 16-byte aligned: ``common.normalize``, "Width")."""
+    return with_column(like.new_zeros(*col.shape, 0), col, ONES_ALIGN)
+
+
+def _ones_column(v, p0, pn0, en0):
+    """The denominator's operator as :func:`fwd_launch` and :func:`bwd_launch` take it: the values
+    [1 | 0 ...] [B, T, H, ONES_ALIGN] in v's dtype (ones are exact in every dtype) and the initial
+    states [p0 | 0 ...], [e0 | 0 ...] fp32 [B, H, K, ONES_ALIGN] (zeros for a missing one; both
+    None without p0: the call had no initial state)."""
+    ones = _column(torch.ones_like(v[..., 0]), v)
+    if p0 is None:
+        return ones, None, None
+    return (ones,) + tuple(_column(p0.new_zeros(p0.shape[:-1]) if x is None else x.float(), p0) for x in (pn0, en0))
 
 
 class AHLAChunkFunction(torch.autograd.Function):
@@ -659,22 +701,24 @@ class AHLAChunkFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         grads = any(ctx.needs_input_grad[:8])
         sums = None if g is None else GateSums(g, launch=launch)   # the gate sums, shared with the backward
-        o, den, PT, ET, pT, eT, cs_p, cs_e, r = ahla_fwd(q, k, v, sums, p0, e0, pn0, en0, gamma, normalize, eps, cfg,
-                                                         keep_states=grads and cfg.save_states, launch=launch)
+        o, den, PT, ET, pT, eT, cs_p, cs_e, r, kept1 = ahla_fwd(q, k, v, sums, p0, e0, pn0, en0, gamma, normalize,
+                                                                eps, cfg, keep_states=grads and cfg.save_states,
+                                                                launch=launch)
         # the final state is read back only for the log-gates' gradient (its own factor e^{b_T})
         final = (PT, ET, pT, eT) if g is not None and ctx.needs_input_grad[3] else (None,) * 4
-        ctx.save_for_backward(q, k, v, g, p0, e0, pn0, en0, o if normalize else None, den, *final, cs_p, cs_e, r)
+        ctx.save_for_backward(q, k, v, g, p0, e0, pn0, en0, o if normalize else None, den, *final, cs_p, cs_e, r,
+                              *kept1)
         ctx.gamma, ctx.normalize, ctx.eps, ctx.cfg, ctx.launch, ctx.sums = gamma, normalize, eps, cfg, launch, sums
         return o, PT, ET, pT, eT
 
     @staticmethod
     @kernel_backward
     def backward(ctx, do, dPT, dET, dpT, deT):
-        q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, r = ctx.saved_tensors
+        q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, r, *kept1 = ctx.saved_tensors
         want_dg = g is not None and ctx.needs_input_grad[3]
         dq, dk, dv, dg, dP0, dE0, dp0, de0 = ahla_bwd(
             q, k, v, ctx.sums, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, r, do, dPT, dET, dpT, deT,
-            ctx.gamma, ctx.normalize, ctx.eps, ctx.cfg, want_dg=want_dg, launch=ctx.launch)
+            ctx.gamma, ctx.normalize, ctx.eps, ctx.cfg, want_dg=want_dg, kept1=tuple(kept1), launch=ctx.launch)
         return dq, dk, dv, dg, dP0, dE0, dp0, de0, None, None, None, None, None
 
 

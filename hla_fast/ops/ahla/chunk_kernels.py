@@ -272,6 +272,7 @@ def _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM: tl.constexpr, 
     "HAS_E": lambda a: a["o"] is not None or a["ht_e"] is not None or a["cs_e"] is not None,
     "HAS_V2": lambda a: a["v2"] is not None,
     "DIVIDE": lambda a: a["qp"] is not None,
+    "DEN_IN": lambda a: a["den_in"] is not None,
 })
 @triton.jit
 def ahla_fwd_kernel(
@@ -283,6 +284,7 @@ def ahla_fwd_kernel(
     o, den,                  # out: o [B, T, H, V] or None; den [B, T, H] fp32 (normalize, or DIVIDE) or None
     qp,                      # DIVIDE: q_t . p_c, the denominator's state at the start of t's chunk, fp32 [B, T, H]
                              #   (``common.denominator``); or None
+    den_in,                  # DEN_IN: the denominator fp32 [B, T, H] from a walk of its own: o / (den_in + eps); or None
     h0_p, h0_e, h0_pn, h0_en,  # start state of every segment, fp32 [B*H*NSEG, K, V] x 2, [.., K] x 2; or None
                              #   (h0_e None: zero, or not carried)
     ht_p, ht_e, ht_pn, ht_en,  # out: final state [B*H, K, V] x 2, [B*H, K] x 2; or None
@@ -298,7 +300,7 @@ def ahla_fwd_kernel(
     STORE_R: tl.constexpr, STORE_FINAL: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr,
     SCALE_ROWS: tl.constexpr, HAS_E: tl.constexpr, V2: tl.constexpr, BV2: tl.constexpr, HAS_V2: tl.constexpr,
     SAVE_PN: tl.constexpr, SUMS_AHEAD: tl.constexpr,   # read each next chunk's gate sums a step ahead
-    DIVIDE: tl.constexpr,
+    DIVIDE: tl.constexpr, DEN_IN: tl.constexpr,
 ):
     """One program per (value block, segment, batch*head) walks its segment's chunks in order,
     keeping its columns of P and E (and all of p, e when NORM) in fp32 registers: outputs (HAS_O,
@@ -312,7 +314,9 @@ def ahla_fwd_kernel(
     without NORM): the same R / (r_n + eps) in r and r_n in den, the walk carrying no p: r_n =
     diag(g1) qp + A 1 from qp, formed before the walk (``common/denominator.py``). HAS_V2
     (without HAS_E or NORM, V in one block): also R2 = LA(q, k, v2) with state P2 (module docstring,
-    "A second value tensor")."""
+    "A second value tensor"). DEN_IN (with HAS_O, without NORM): o is divided by (den_in + eps), the
+    denominator a walk on the values [1 | 0 ...] stored before (AHLA's normalized forward), so that
+    this walk carries no p, e."""
     # -- which piece of work this program owns ---------------------------------------------
     i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NSEG = tl.num_programs(1)
@@ -369,6 +373,8 @@ def ahla_fwd_kernel(
                 store_mat(cs_p2 + i_cs * K * V2, P2, rk, mk, rv2, mv2, V2)
         if DIVIDE:   # read here, used after the chunk's first products: their time covers its latency
             b_qp = tl.load(qp + off_g + t * H, mask=mt, other=0.0)                       # q . p_c [BT]
+        if DEN_IN:   # the same for the denominator the outputs are divided by
+            b_den_in = tl.load(den_in + off_g + t * H, mask=mt, other=1.0)              # den [BT]
         # -- first order: R = diag(g1) Q P0 + A V ------------------------------------------
         b_qn = _normalizer_rows(q, b_q, off_k, t, mt, rk, mk, H, K, NORM, PREFETCH)      # Q [BT, BK] fp32
         b_a, b_r, r_n = _chunk_first_order(b_q, b_kt, b_v, P, b_qn, pn, G, g1, NORM, IS_BF16, PREC)
@@ -396,6 +402,8 @@ def ahla_fwd_kernel(
                 b_o = b_o / (b_den + eps)[:, None]
                 if i_v == 0:
                     tl.store(den + off_g + t * H, b_den, mask=mt)
+            if DEN_IN:
+                b_o = b_o / (b_den_in + eps)[:, None]
             tl.store(o + off_v + t[:, None] * (H * V) + rv[None, :], b_o.to(o.dtype.element_ty),
                      mask=mt[:, None] & mv[None, :])
         # -- carry the state to the chunk's end --------------------------------------------

@@ -4,20 +4,22 @@ way the backward kernels take it.
 A normalized call returns o = num / d with d = den + eps, where num is the operator on v and den
 the operator on a column of ones. Given dL/do, the gradient of num is do / d and that of den is
 dd = -(do . o) / d (one number per token and head). The backward kernels differentiate the
-operator on [v | 1] from [do / d | dd]; this kernel forms both halves in one pass over do and o,
-instead of the half-dozen elementwise torch kernels (casts, product, row sum, divisions) that each
-read or write a [B, T, H, V] fp32 tensor.
+numerator from do / d and the denominator from dd; this kernel forms both in one pass over do and
+o, instead of the half-dozen elementwise torch kernels (casts, product, row sum, divisions) that
+each read or write a [B, T, H, V] fp32 tensor.
 
-Width. On the Triton kernels [v | 1] is padded with zero columns to ``ones_width(V)``, a multiple
-of ONES_ALIGN, and so are its states and its output gradient. The kernels take the value width as
-the row stride of their value tensors ([B, T, H, V] rows, [K, V] states), so with V + 1 columns (65
-at V = 64) a row starts at any element and the compiler can neither widen a load to 16 bytes nor
-stage it asynchronously: by an sm_90 compile with Triton 3.6, AHLA's per-chunk gradient kernel at
-K = 64 on 65 values loads its tiles in 288 two-byte loads a thread, on 80 values in 44 loads of 16
-bytes, as on 64 (``compile_report.py``'s ``global_loads``; the measured times in hla_fast/README.md,
-AHLA's "Limits"). A zero value column adds nothing to any output, state or gradient (the operators
-are linear in the values), and rounding V + 1 up to a multiple of 16 never adds a value block of 64.
-The torch backend keeps V + 1 columns.
+Width. A Triton call that runs the operator on [v | 1] (HLA3, HLA2 with heads wider than 128) pads
+it with zero columns to ``ones_width(V)``, a multiple of ONES_ALIGN, and its states the same way;
+AHLA runs its denominator on the values [1 | 0 ...] of ONES_ALIGN columns. The kernels take
+the value width as the row stride of their value tensors ([B, T, H, V] rows, [K, V] states), so
+with V + 1 columns (65 at V = 64) a row starts at any element and the compiler can neither widen a
+load to 16 bytes nor stage it asynchronously: by an sm_90 compile with Triton 3.6, AHLA's per-chunk
+gradient kernel at K = 64 on 65 values read its tiles in 352 two-byte loads (a load instruction
+written once in its code), on 80 values only in 16-byte loads, as on 64 (``compile_report.py``'s
+global loads, ``benchmarks/results/compile_ahla_bf16_k64_normalize_65_values_triton36_cpu.md``). A
+zero value column adds nothing to any output, state or gradient (the operators are linear in the
+values), and rounding V + 1 up to a multiple of 16 never adds a value block of 64. The torch
+backend keeps V + 1 columns.
 """
 from __future__ import annotations
 
@@ -89,31 +91,21 @@ def quotient(o: torch.Tensor, V: int, eps: float, dtype: torch.dtype) -> torch.T
 def normalized_grad_kernel(
     do, o,          # [N, V] rows of the output gradient and the (normalized) output, input dtype
     den,            # [N] fp32 denominators
-    do_num, dd,     # out: do / d [N, V] (row stride NUM_STRIDE); dd = -(do . o) / d [N] (stride DD_STRIDE)
+    do_num, dd,     # out: do / d [N, V] (cotangent_dtype); dd = -(do . o) / d [N] fp32
     eps, N,
     V: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
-    NUM_STRIDE: tl.constexpr, DD_STRIDE: tl.constexpr,
-    PAD: tl.constexpr, BP: tl.constexpr,   # zero columns after dd in a joined row, and their tile (>= PAD)
 ):
-    """One program per BR rows of V values (the [B, T, H, V] tensors seen as B*T*H rows). Split,
-    do / d and dd are two tensors (NUM_STRIDE = V, DD_STRIDE = 1, PAD = 0); joined, one
-    [N, ones_width(V)] tensor [do / d | dd | 0 ...] (both strides ones_width(V), dd's pointer at its
-    column V, PAD zeros after it)."""
+    """One program per BR rows of V values (the [B, T, H, V] tensors seen as B*T*H rows)."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)            # rows  [BR]
     c = tl.arange(0, BV)                                    # value columns [BV]
     mr = r < N
     m = mr[:, None] & (c[None, :] < V)
-    r64 = r.to(tl.int64)
-    off = r64[:, None] * V + c[None, :]                     # [BR, BV] in do and o
+    off = r.to(tl.int64)[:, None] * V + c[None, :]          # [BR, BV]
     b_do = tl.load(do + off, mask=m, other=0.0).to(tl.float32)
     b_o = tl.load(o + off, mask=m, other=0.0).to(tl.float32)
     rd = 1.0 / (tl.load(den + r, mask=mr, other=1.0) + eps)  # 1 / d  [BR]
-    tl.store(do_num + r64[:, None] * NUM_STRIDE + c[None, :], (b_do * rd[:, None]).to(do_num.dtype.element_ty), mask=m)
-    tl.store(dd + r64 * DD_STRIDE, (-tl.sum(b_do * b_o, axis=1) * rd).to(dd.dtype.element_ty), mask=mr)
-    if PAD > 0:   # the joined row's zero columns, so that the buffer needs no zeroing pass of its own
-        cp = tl.arange(0, BP)                               # [BP]
-        tl.store(do_num + r64[:, None] * NUM_STRIDE + (V + 1 + cp)[None, :],
-                 tl.zeros([BR, BP], dtype=do_num.dtype.element_ty), mask=mr[:, None] & (cp[None, :] < PAD))
+    tl.store(do_num + off, (b_do * rd[:, None]).to(do_num.dtype.element_ty), mask=m)
+    tl.store(dd + r, -tl.sum(b_do * b_o, axis=1) * rd, mask=mr)
 
 
 def cotangent_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -127,26 +119,16 @@ def cotangent_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def normalized_output_grad(do: torch.Tensor, o: torch.Tensor, den: torch.Tensor, eps: float,
-                           launch=launch_kernel, joined: bool = False):
+                           launch=launch_kernel):
     """(do / d [B, T, H, V] in ``cotangent_dtype(o.dtype)``, dd = -(do . o) / d [B, T, H] fp32) with
-    d = den + eps; ``joined``: the one tensor [do / d | dd | 0 ...] [B, T, H, ones_width(V)] in
-    ``cotangent_dtype(o.dtype)`` instead (the gradient of the operator on ``with_ones(v,
-    ones_width(V))``, as AHLA's backward takes it).
+    d = den + eps.
 
     do, o: [B, T, H, V] (do in any float dtype, read as fp32); den: [B, T, H] fp32."""
     B, T, H, V = o.shape
     do, o, den = do.contiguous(), o.contiguous(), den.contiguous()
-    dtype = cotangent_dtype(o.dtype)
-    if joined:
-        do_num = torch.empty(B, T, H, ones_width(V), device=o.device, dtype=dtype)
-        dd = do_num[..., V]   # column V: the kernel's rows of do_num and dd are ones_width(V) apart
-    else:
-        do_num = torch.empty(B, T, H, V, device=o.device, dtype=dtype)
-        dd = torch.empty(B, T, H, device=o.device, dtype=torch.float32)
+    do_num = torch.empty(B, T, H, V, device=o.device, dtype=cotangent_dtype(o.dtype))
+    dd = torch.empty(B, T, H, device=o.device, dtype=torch.float32)
     N = B * T * H
-    pad = do_num.shape[-1] - V - 1 if joined else 0
-    # one row a (token, head): the row strides are the buffers' own along H
     launch(normalized_grad_kernel, (cdiv(N, ROWS),), do=do, o=o, den=den, do_num=do_num, dd=dd, eps=float(eps), N=N,
-           V=V, BR=ROWS, BV=pow2_block(V), NUM_STRIDE=do_num.stride(2), DD_STRIDE=dd.stride(2), PAD=pad,
-           BP=pow2_block(max(pad, 1)))
-    return do_num if joined else (do_num, dd)
+           V=V, BR=ROWS, BV=pow2_block(V))
+    return do_num, dd
