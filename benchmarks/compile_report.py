@@ -26,8 +26,8 @@ Shared-memory tiles: every shared-memory allocation of the compiled kernel (Trit
 Global loads: the load instructions of the kernel's PTX by width (``ld.global.v4.b32``: 16 bytes a
 thread, ``ld.global.b16``: 2), as written once in its code (a loop's body counts once). A tile whose
 rows the compiler cannot prove 16-byte aligned is read in narrow loads (AHLA's per-chunk gradient
-kernel on 65 value columns: 288 two-byte loads; on 80, as on 64: loads of 16 bytes,
-``common.normalize``, "Width").
+kernel on 65 value columns: 352 two-byte loads, ``compile_ahla_bf16_k64_normalize_65_values_triton36_cpu.md``;
+on 80, as on 64: loads of 16 bytes, ``common.normalize``, "Width").
 """
 from __future__ import annotations
 

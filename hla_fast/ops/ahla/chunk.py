@@ -653,7 +653,7 @@ def ahla_bwd(q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, r
         # and the cotangents of (p_T, e_T), from the denominator walk's kept states (else recomputed)
         ones, p1, e1 = _ones_column(v, p0, pn0, en0)
         dd = _column(dd, do)
-        dp1, de1 = (None if x is None else _column(x.float(), x.float()) for x in (dpT, deT))
+        dp1, de1 = (None if x is None else _column(x, dq) for x in (dpT, deT))   # fp32, as dq here
         kept1 = None if kept1[0] is None else kept1
         dq1, dk1, _, dp0, de0, db1 = bwd_launch(q, k, ones, dd, g, gamma, p1, e1, dp1, de1, cfg, states=kept1,
                                                 want_db=want_dg, grad_dtype=grad_dtype, launch=launch)
@@ -684,7 +684,7 @@ def _ones_column(v, p0, pn0, en0):
     ones = _column(torch.ones_like(v[..., 0]), v)
     if p0 is None:
         return ones, None, None
-    return (ones,) + tuple(_column(p0.new_zeros(p0.shape[:-1]) if x is None else x.float(), p0) for x in (pn0, en0))
+    return (ones,) + tuple(_column(p0.new_zeros(p0.shape[:-1]) if x is None else x, p0) for x in (pn0, en0))
 
 
 class AHLAChunkFunction(torch.autograd.Function):
