@@ -134,8 +134,8 @@ def record_launches(op, B, T, H, K, V, dtype, changes=None, forward_only=False, 
                              dd=dd, launch=rec)
     elif op == "ahla":
         snap = snapshot_dtype(cfg, dtype) if save else None
-        cs = chunk.fwd_launch(q, k, v, g, gamma, None, None, None, None, snapshots=snap, keep_r=cfg.bwd_layers,
-                              launch=rec, **chunk.forward_layout(cfg))[6]
+        cs = chunk.fwd_launch(q, k, v, g, gamma, None, None, None, snapshots=snap, keep_r=cfg.bwd_layers,
+                              launch=rec, **chunk.forward_layout(cfg))[5]
         if not forward_only:
             chunk.bwd_launch(q, k, v, do, g, gamma, None, None, None, None, cfg, states=cs, want_db=gates,
                              launch=rec)

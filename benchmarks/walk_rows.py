@@ -50,7 +50,7 @@ def one(spec):
         launch_kernel(kernel, grid, **kw)
 
     def forward(q, k, v, cfg):
-        return C.fwd_launch(q, k, v, None, 0.999, None, None, None, None, chunk=cfg.fwd_chunk, segments=1,
+        return C.fwd_launch(q, k, v, None, 0.999, None, None, None, chunk=cfg.fwd_chunk, segments=1,
                             warps=cfg.fwd_warps, block_v=cfg.fwd_block_v, stages=cfg.fwd_stages,
                             prefetch=False, store_final=False, launch=launch)[0]
 

@@ -651,3 +651,36 @@ def test_first_call_logs_each_compile_with_its_stages(tmp_path):
     # the stages account for the compile: make_ir and each lowering (ttir ... cubin)
     assert {"ir", "ttir", "ttgir", "llir", "ptx", "cubin"} <= set(entry["stages"])
     assert sum(entry["stages"].values()) == pytest.approx(entry["s"], rel=0.05)
+
+
+def test_launcher_check_counts_mismatches_and_needs_cuda(tmp_path):
+    """launcher_check.py: a TypeError at a launch counts as a launcher mismatch, any other error
+    apart, a process that printed no report by its output's tail; its record renders from its JSON
+    (made-up results here); without CUDA it refuses (the interpreter builds no launcher)."""
+    lc = load("launcher_check")
+    ok = dict(op="ahla", K=16, V=16, T=2049, dtype="bfloat16", error=None, mismatch=False)
+    bad = dict(ok, op="hla3", T=40, error="function takes exactly 53 arguments (54 given)", mismatch=True)
+    other = dict(ok, dtype="float16", error="OutOfResources: out of resource: shared memory")
+    processes = [{"calls": [ok, bad]}, {"calls": [ok, other]}, {"tail": "Segmentation fault"}]
+    summary = lc.summarize(processes)
+    assert summary == {"calls": 4, "mismatches": 1, "other_errors": 1, "processes_without_report": 1}
+    res = {"device": "NVIDIA H100 80GB HBM3", "versions": {"torch": "2.11.0", "triton": "3.6.0", "python": "3.12.3"},
+           "date": "2026-12-07T09:00:00+00:00", "procs": 3, "cache": "shared", "processes": processes,
+           "summary": summary}
+    text = lc.render(res)
+    assert "4 training calls, 1 launched with another kernel's launcher (TypeError), 1 other errors" in text
+    assert "| 0 | hla3 | bfloat16 | 16 | 16 | 40 | function takes exactly 53 arguments (54 given) |" in text
+    assert "Process 2 did not report" in text and "Segmentation fault" in text
+    stored = tmp_path / "launcher_check_x.json"
+    stored.write_text(json.dumps(res))
+    script = os.path.join(ROOT, "benchmarks", "launcher_check.py")
+    run = subprocess.run([sys.executable, script, "--render", str(stored)], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "launcher_check_x.md").read_text() == text
+    run = subprocess.run([sys.executable, script, "--procs", "0"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "--procs must be at least 1, got 0" in run.stderr
+    if not torch.cuda.is_available():
+        run = subprocess.run([sys.executable, script, "--out", str(tmp_path)], capture_output=True, text=True,
+                             timeout=300)
+        assert run.returncode == 2 and "needs CUDA" in run.stderr

@@ -169,8 +169,8 @@ def test_snapshots_are_the_states_at_chunk_starts(device, poison):
     q, k, v, g = _inputs(device, B, T, H, K, V, seed=10)
     gen = torch.Generator().manual_seed(11)
     p0, e0 = (0.2 * torch.randn(B, H, K, V, generator=gen).to(device) for _ in range(2))
-    _, _, PT, ET, _, _, cs, _ = chunk.fwd_launch(q, k, v, g, None, p0, e0, None, None, chunk=16, warps=4, block_v=16,
-                                                 outputs=False, snapshots=torch.float32)
+    _, _, PT, ET, _, cs, _ = chunk.fwd_launch(q, k, v, g, None, p0, e0, None, chunk=16, warps=4, block_v=16,
+                                              outputs=False, snapshots=torch.float32)
     st = AHLAState(p0.double().cpu(), e0.double().cpu())
     for c, t0 in enumerate(range(0, T, 16)):
         for name, snap, want in (("P", cs[0], st.P), ("E", cs[1], st.E)):
@@ -575,20 +575,28 @@ def test_normalized_backward_reads_aligned_value_rows():
 @pytest.mark.parametrize("normalize", [False, True])
 def test_segments_equal_one_walk(segments, normalize, device, poison):
     """Segmented walks (summaries from zero states, folded in order) give the one walk's outputs,
-    snapshots, final state and gradients, with an initial state and final-state cotangents."""
+    snapshots, final state and gradients, with an initial state and final-state cotangents. The
+    normalized walk is a first layer alone (``second=False``: R / (den + eps), carrying p), the only
+    walk normalized in-kernel."""
     B, T, H, K, V = 2, 77, 2, 12, 20
     q, k, v, g = _inputs(device, B, T, H, K, V, seed=20, positive=normalize)
     gen = torch.Generator().manual_seed(21)
     st0 = [0.2 * torch.randn(B, H, K, V, generator=gen), 0.2 * torch.randn(B, H, K, V, generator=gen),
-           0.2 * torch.rand(B, H, K, generator=gen), 0.2 * torch.rand(B, H, K, generator=gen)]
+           0.2 * torch.rand(B, H, K, generator=gen)]
     st0 = [x.to(device) for x in st0]
-    kw = dict(chunk=16, warps=4, block_v=16, normalize=normalize, eps=1e-6, snapshots=torch.float32)
+    if normalize:   # the first layer's state (P, p); no E
+        st0[1] = None
+    kw = dict(chunk=16, warps=4, block_v=16, normalize=normalize, eps=1e-6, snapshots=torch.float32,
+              second=not normalize)
     a = chunk.fwd_launch(q, k, v, g, None, *st0, segments=1, **kw)
     b = chunk.fwd_launch(q, k, v, g, None, *st0, segments=segments, **kw)
-    for x, y in zip(a[:6] + a[6], b[:6] + b[6]):
+    assert (a[1] is not None) == normalize and (a[4] is not None) == normalize and (a[5][3] is not None) == normalize
+    for x, y in zip(a[:5] + a[5], b[:5] + b[5]):
         assert (x is None) == (y is None)
         if x is not None:
             assert rel(y, x) < 1e-6
+    if normalize:   # the backward below is the unnormalized one either way
+        return      # (the normalized layer's: test_normalized_layer_is_the_index_sum)
     do = torch.randn(B, T, H, V, generator=gen).to(device)
     dht = [torch.randn(B, H, K, V, generator=gen).to(device) for _ in range(2)]
     one = chunk.bwd_launch(q, k, v, do, g, None, st0[0], st0[1], *dht, _cfg(), want_db=True)
@@ -596,6 +604,16 @@ def test_segments_equal_one_walk(segments, normalize, device, poison):
                            _cfg().replace(fwd_segments=segments, bwd_segments=segments), want_db=True)
     for x, y in zip(one, seg):
         assert rel(y, x) < 1e-6
+
+
+def test_only_a_first_layer_is_normalized_in_the_walk():
+    """AHLA's normalized operator is two unnormalized walks (``ahla_fwd``), so the walk's launcher
+    normalizes a first layer alone (``second=False``) and refuses normalize=True with both layers."""
+    meta = torch.device("meta")
+    q, k, v = (torch.empty(1, 32, 2, n, device=meta) for n in (16, 16, 32))
+    with pytest.raises(ValueError, match=r"normalize=True is for the first layer alone \(second=False\): AHLA's "
+                                         r"normalized operator is two unnormalized walks \(ahla_fwd\)"):
+        chunk.fwd_launch(q, k, v, None, 0.9, None, None, None, chunk=16, warps=4, block_v=16, normalize=True)
 
 
 def _normalized_layer64(q, k, v, g, p0, pn0, eps):
@@ -664,7 +682,7 @@ def test_summaries_only_where_a_fold_reads_them(segments, v2):
     q, k, v = (torch.empty(B, T, H, n, device=meta) for n in (K, K, V))
     rec = Recorder()
     kw = dict(v2=k, second=False) if v2 else {}
-    chunk.fwd_launch(q, k, v, None, 0.99, None, None, None, None, chunk=C, warps=4, block_v=V, segments=segments,
+    chunk.fwd_launch(q, k, v, None, 0.99, None, None, None, chunk=C, warps=4, block_v=V, segments=segments,
                      launch=rec, **kw)
     if not v2:
         cfg = _cfg(C, C).replace(bwd_segments=segments)

@@ -525,9 +525,9 @@ def test_shared_walk_is_checked(device):
 
     walk = dict(chunk=16, warps=4, block_v=16)
     with pytest.raises(ValueError, match=r"a second value tensor \(v2\) is for the first layer alone \(second=False\)"):
-        fwd_launch(q, k, v, None, 0.9, None, None, None, None, v2=k, **walk)
+        fwd_launch(q, k, v, None, 0.9, None, None, None, v2=k, **walk)
     with pytest.raises(ValueError, match=r"a second value tensor \(v2\) is not normalized"):
-        fwd_launch(q, k, v, None, 0.9, None, None, None, None, v2=k, second=False, normalize=True, **walk)
+        fwd_launch(q, k, v, None, 0.9, None, None, None, v2=k, second=False, normalize=True, **walk)
 
 
 def test_the_second_stage_rate_is_checked():

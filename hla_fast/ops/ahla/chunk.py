@@ -264,19 +264,20 @@ def forward_layout(cfg: ChunkConfig) -> dict:
                 prefetch=cfg.fwd_prefetch, stages=cfg.fwd_stages)
 
 
-def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, segments=1, prefetch=False,
+def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, *, chunk, warps, block_v, segments=1, prefetch=False,
                stages=1, outputs=True, normalize=False, eps=0.0, store_final=True, snapshots=None, keep_r=False,
                second=True, v2=None, p20=None, qp=None, den_in=None, out_dtype=None, launch=launch_kernel):
     """Run the forward walk (after the segment summaries and fold when ``segments > 1``).
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H], its GateSums or None; all contiguous. p0, e0: fp32
-    [B, H, K, V] or None; pn0, en0: fp32 [B, H, K] or None (zeros when normalizing from a state
-    without them). outputs: compute o (else only states). normalize: carry (p, e) and divide by
-    (den + eps). snapshots: None, or the dtype to store every chunk-start state (P, E) in.
+    [B, H, K, V] or None; pn0: fp32 [B, H, K] or None (zeros when normalizing from a state without
+    it). outputs: compute o (else only states). normalize (with second=False): carry p and divide
+    by (den + eps); AHLA's normalized operator is two unnormalized walks instead (:func:`ahla_fwd`).
+    snapshots: None, or the dtype to store every chunk-start state (P, E) in.
     prefetch: the walks load each next chunk's tiles ahead (``ChunkConfig.fwd_prefetch``).
     stages: the compiler pipelines the walks' loads this deep (``ChunkConfig.fwd_stages``).
     keep_r: with snapshots, also keep the first order's output R [B, T, H, V] (v's dtype) for the
-    layered backward. second=False: the first layer alone (:func:`layer_fwd`): o is R, and E, e, their
+    layered backward. second=False: the first layer alone (:func:`layer_fwd`): o is R, and E, its
     snapshots and the summaries' R moment are neither computed nor returned (None); normalized, R is
     divided by its own denominator (den) and the snapshots (with ``snapshots``) include p's
     (:func:`normalized_layer_fwd`).
@@ -291,12 +292,15 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
     o is divided by (den_in + eps) (``ahla_fwd_kernel``'s DEN_IN; :func:`ahla_fwd`). out_dtype: o's
     dtype (None: v's).
     Returns (o [B, T, H, V] or None, den [B, T, H] fp32 or None, P_T, E_T, p_T or None,
-    e_T or None, (cs_p, cs_e, R or None, cs_pn or None) or None, (R2, P2_T or None, cs_p2 or None) or None;
+    (cs_p, cs_e, R or None, cs_pn or None) or None, (R2, P2_T or None, cs_p2 or None) or None;
     cs_p, cs_e [B*H, NT, K, V], cs_pn fp32 [B*H, NT, K] (a normalized first layer's))."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     BH, dev, f32 = B * H, q.device, torch.float32
     BK = pow2_block(K, min_key_block(dev))
+    if normalize and second:
+        raise ValueError("normalize=True is for the first layer alone (second=False): AHLA's normalized "
+                         "operator is two unnormalized walks (ahla_fwd)")
     if v2 is not None and normalize:
         raise ValueError("a second value tensor (v2) is not normalized")
     if v2 is not None and second:
@@ -316,13 +320,12 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
     walk = dict(kw, PREFETCH=prefetch, SCALE_ROWS=chunk >= SCALE_ROWS_MIN_CHUNK, V2=V2, BV2=BV2, SUMS_AHEAD=stages == 1)
     if normalize and p0 is not None:
         pn0 = torch.zeros(B, H, K, device=dev, dtype=f32) if pn0 is None else pn0
-        en0 = (torch.zeros(B, H, K, device=dev, dtype=f32) if en0 is None else en0) if second else None
     elif not normalize:
-        pn0 = en0 = None
+        pn0 = None
     if v2 is not None and (p0 is None) != (p20 is None):   # both states or neither (HAS_INIT is both's)
         p0 = torch.zeros(B, H, K, V, device=dev, dtype=f32) if p0 is None else p0
         p20 = torch.zeros(B, H, K, V2, device=dev, dtype=f32) if p20 is None else p20
-    h0, h02 = (p0, e0, pn0, en0), p20
+    h0, h02 = (p0, e0, pn0), p20
     gc = sums_at(g, chunk, launch)   # the walks read beta (common.cumsum)
     if nseg > 1:
         # -- the summaries from a zero state of every segment but the last (no start state follows
@@ -330,42 +333,39 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
         def kv(width=V, n=nseg):
             return torch.empty(BH * n, K, width, device=dev, dtype=f32)
 
-        def kvec(n=nseg, carried=True):
-            return torch.empty(BH * n, K, device=dev, dtype=f32) if (normalize and carried) else None
+        def kvec(n=nseg):
+            return torch.empty(BH * n, K, device=dev, dtype=f32) if normalize else None
 
         ns = nseg - 1
-        sums = dict(sum_p=kv(n=ns), sum_e=kv(n=ns) if second else None, sum_pn=kvec(ns), sum_en=kvec(ns, second),
+        sums = dict(sum_p=kv(n=ns), sum_e=kv(n=ns) if second else None, sum_pn=kvec(ns),
                     sum_r=kv(K, ns) if second else None,
                     sum_lr=torch.empty(BH * ns, device=dev, dtype=f32))
         sum_p2 = kv(V2, ns) if V2 else None
         launch(ahla_fwd_summary_kernel, (NV, ns, BH), q=q, k=k, v=v, gc=gc, v2=v2, sum_p2=sum_p2, **sums,
                log_gamma=lg, T=T, NS=NS, **walk)
-        seg = (kv(), kv() if second else None, kvec(), kvec(carried=second))
+        seg = (kv(), kv() if second else None, kvec())
         fold = dict(NSEG=nseg, K=K, BK=BK, PREC=flags["PREC"], num_warps=warps)
         launch(ahla_fwd_fold_kernel, (NV, BH),
-            **sums, h0_p=p0, h0_e=e0, h0_pn=pn0, h0_en=en0, seg_p=seg[0], seg_e=seg[1], seg_pn=seg[2],
-            seg_en=seg[3], V=V, BV=BV, **fold)
+            **sums, h0_p=p0, h0_e=e0, h0_pn=pn0, seg_p=seg[0], seg_e=seg[1], seg_pn=seg[2], V=V, BV=BV, **fold)
         h0 = seg
         if V2:   # P2 folds as P does, on the same log decays
             h02 = kv(V2)
-            launch(ahla_fwd_fold_kernel, (1, BH), sum_p=sum_p2, sum_e=None, sum_pn=None, sum_en=None, sum_r=None,
-                   sum_lr=sums["sum_lr"], h0_p=p20, h0_e=None, h0_pn=None, h0_en=None, seg_p=h02, seg_e=None,
-                   seg_pn=None, seg_en=None, V=V2, BV=BV2, **fold)
+            launch(ahla_fwd_fold_kernel, (1, BH), sum_p=sum_p2, sum_e=None, sum_pn=None, sum_r=None,
+                   sum_lr=sums["sum_lr"], h0_p=p20, h0_e=None, h0_pn=None, seg_p=h02, seg_e=None, seg_pn=None,
+                   V=V2, BV=BV2, **fold)
     o = torch.empty_like(v, dtype=out_dtype) if (outputs and second) else None
-    den = torch.empty(B, T, H, device=dev, dtype=f32) if (((outputs or not second) and normalize)
-                                                           or qp is not None) else None
-    ht = (None,) * 4
+    den = torch.empty(B, T, H, device=dev, dtype=f32) if (normalize or qp is not None) else None
+    ht = (None,) * 3
     if store_final:
         ht = (torch.empty(B, H, K, V, device=dev, dtype=f32),
               torch.empty(B, H, K, V, device=dev, dtype=f32) if second else None,
-              torch.empty(B, H, K, device=dev, dtype=f32) if normalize else None,
-              torch.empty(B, H, K, device=dev, dtype=f32) if (normalize and second) else None)
+              torch.empty(B, H, K, device=dev, dtype=f32) if normalize else None)
     cs = None
     if snapshots is not None:
         cs = (torch.empty(BH, NT, K, V, device=dev, dtype=snapshots),
               torch.empty(BH, NT, K, V, device=dev, dtype=snapshots) if second else None,
               torch.empty_like(v) if (keep_r and second) else None,
-              torch.empty(BH, NT, K, device=dev, dtype=f32) if (normalize and not second) else None)
+              torch.empty(BH, NT, K, device=dev, dtype=f32) if normalize else None)
     r = None if cs is None else cs[2]
     if not second:   # the first layer's output R is what this call returns
         r = torch.empty_like(v)
@@ -374,13 +374,13 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, en0, *, chunk, warps, block_v, se
         out2 = (torch.empty_like(v2), torch.empty(B, H, K, V2, device=dev, dtype=f32) if store_final else None,
                 None if cs is None else torch.empty(BH, NT, K, V2, device=dev, dtype=snapshots))
     launch(ahla_fwd_kernel, (NV, nseg, BH),
-        q=q, k=k, v=v, gc=gc, o=o, den=den, qp=qp, den_in=den_in, h0_p=h0[0], h0_e=h0[1], h0_pn=h0[2], h0_en=h0[3],
-        ht_p=ht[0], ht_e=ht[1], ht_pn=ht[2], ht_en=ht[3],
+        q=q, k=k, v=v, gc=gc, o=o, den=den, qp=qp, den_in=den_in, h0_p=h0[0], h0_e=h0[1], h0_pn=h0[2],
+        ht_p=ht[0], ht_e=ht[1], ht_pn=ht[2],
         cs_p=None if cs is None else cs[0], cs_e=None if cs is None else cs[1], cs_pn=None if cs is None else cs[3],
         r=r,
         v2=v2, r2=out2[0], h0_p2=h02, ht_p2=out2[1], cs_p2=out2[2],
         log_gamma=lg, eps=eps, T=T, NS=NS, **walk)
-    return o if second else r, den, ht[0], ht[1], ht[2], ht[3], cs, (out2 if v2 is not None else None)
+    return o if second else r, den, ht[0], ht[1], ht[2], cs, (out2 if v2 is not None else None)
 
 
 def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *, states=None, want_db=False,
@@ -403,8 +403,8 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
     if states is None or states[0].dtype != snap or (cfg.bwd_layers and states[2] is None):
         # the forward walk again, in the backward's chunks and warps (its states serve this backward)
         layout = dict(forward_layout(cfg), chunk=BT, warps=nw, stages=cfg.bwd_stages)
-        states = fwd_launch(q, k, v, g, gamma, p0, e0, None, None, outputs=False, store_final=False, snapshots=snap,
-                            keep_r=cfg.bwd_layers, launch=launch, **layout)[6]
+        states = fwd_launch(q, k, v, g, gamma, p0, e0, None, outputs=False, store_final=False, snapshots=snap,
+                            keep_r=cfg.bwd_layers, launch=launch, **layout)[5]
     do = do.contiguous()
     if cfg.bwd_layers:
         return _bwd_layers(q, k, v, do, g, gamma, p0, dht_p, dht_e, cfg, states, want_db, grad_dtype, launch)
@@ -554,8 +554,8 @@ def layer_fwd(q, k, v, g, gamma, p0, cfg: ChunkConfig, *, keep_states=False, lau
     or None. keep_states: also the chunk-start states at chunk ``cfg.fwd_chunk`` for
     :func:`layer_bwd` (in the snapshots' dtype). Returns (R [B, T, H, V] (v's dtype), P_T fp32
     [B, H, K, V], cs_p [B*H, NT, K, V] or None)."""
-    r, _, PT, _, _, _, cs, _ = fwd_launch(
-        q, k, v, g, gamma, p0, None, None, None, **forward_layout(cfg),
+    r, _, PT, _, _, cs, _ = fwd_launch(
+        q, k, v, g, gamma, p0, None, None, **forward_layout(cfg),
         snapshots=snapshot_dtype(cfg, q.dtype) if keep_states else None, second=False, launch=launch)
     return r, PT, None if cs is None else cs[0]
 
@@ -574,12 +574,12 @@ def normalized_layer_fwd(q, k, v, g, gamma, p0, pn0, eps, cfg: ChunkConfig, *, k
         flags, lg = _common(q, gamma, g)
         qp, pT, cs_pn = carried_denominator(q, k, g, pn0, chunk=cfg.fwd_chunk, has_decay=flags["HAS_DECAY"],
                                             log_gamma=lg, launch=launch)
-        o, den, PT, _, _, _, cs, _ = fwd_launch(
-            q, k, v, g, gamma, p0, None, None, None, **forward_layout(cfg), eps=eps, qp=qp,
+        o, den, PT, _, _, cs, _ = fwd_launch(
+            q, k, v, g, gamma, p0, None, None, **forward_layout(cfg), eps=eps, qp=qp,
             snapshots=snapshot_dtype(cfg, q.dtype) if keep_states else None, second=False, launch=launch)
         return o, den, PT, pT, None if cs is None else cs[0], cs_pn if keep_states else None
-    o, den, PT, _, pT, _, cs, _ = fwd_launch(
-        q, k, v, g, gamma, p0, None, pn0, None, **forward_layout(cfg), normalize=True, eps=eps,
+    o, den, PT, _, pT, cs, _ = fwd_launch(
+        q, k, v, g, gamma, p0, None, pn0, **forward_layout(cfg), normalize=True, eps=eps,
         snapshots=snapshot_dtype(cfg, q.dtype) if keep_states else None, second=False, launch=launch)
     return (o, den, PT, pT) + ((None, None) if cs is None else (cs[0], cs[3]))
 
@@ -594,8 +594,8 @@ def layer_pair_fwd(q, k, v, v2, g, gamma, p0, p20, cfg: ChunkConfig, *, keep_sta
     q, k: [B, T, H, K]; v: [B, T, H, V]; v2: [B, T, H, V2]; g: [B, T, H], its GateSums or None (contiguous); p0,
     p20: fp32 [B, H, K, V], [B, H, K, V2] or None. keep_states: as :func:`layer_fwd`'s, each layer's.
     Returns (R, R2 (the values' dtypes), P_T, P2_T fp32, cs_p, cs_p2 ([B*H, NT, K, .]) or None)."""
-    r, _, PT, _, _, _, cs, (r2, PT2, cs2) = fwd_launch(
-        q, k, v, g, gamma, p0, None, None, None, **forward_layout(cfg),
+    r, _, PT, _, _, cs, (r2, PT2, cs2) = fwd_launch(
+        q, k, v, g, gamma, p0, None, None, **forward_layout(cfg),
         snapshots=snapshot_dtype(cfg, q.dtype) if keep_states else None, second=False, v2=v2, p20=p20, launch=launch)
     return r, r2, PT, PT2, None if cs is None else cs[0], cs2
 
@@ -620,11 +620,10 @@ def ahla_fwd(q, k, v, g, p0, e0, pn0, en0, gamma, normalize, eps, cfg: ChunkConf
     kept1 = (None,) * 3
     if normalize:
         ones, p1, e1 = _ones_column(v, p0, pn0, en0)
-        d1, _, P1, E1, _, _, cs1, _ = fwd_launch(q, k, ones, g, gamma, p1, e1, None, None, out_dtype=torch.float32,
-                                                 **walk)
+        d1, _, P1, E1, _, cs1, _ = fwd_launch(q, k, ones, g, gamma, p1, e1, None, out_dtype=torch.float32, **walk)
         den, pT, eT = d1[..., 0].contiguous(), P1[..., 0].contiguous(), E1[..., 0].contiguous()
         kept1 = kept1 if cs1 is None else cs1[:3]
-    o, _, PT, ET, _, _, cs, _ = fwd_launch(q, k, v, g, gamma, p0, e0, None, None, eps=eps, den_in=den, **walk)
+    o, _, PT, ET, _, cs, _ = fwd_launch(q, k, v, g, gamma, p0, e0, None, eps=eps, den_in=den, **walk)
     cs = (None, None, None) if cs is None else cs[:3]
     return (o, den, PT, ET, pT, eT) + cs + (kept1,)
 

@@ -29,12 +29,16 @@ part inside it, with A = (Q K^T) o G and Kg = diag(gl) K:
     P <- gC P0 + Kg^T V,      E <- gC E0 + Kg^T R
 
 (the decay from a token before the chunk to row r is exp(beta_r) times the state's own decay to
-the chunk start; from row c to the chunk end it is gl[c]). Normalization is the same on a column
-of ones: r_n = diag(g1) Q p0 + A 1, den = diag(g1) Q e0 + A r_n, p <- gC p0 + Kg^T 1,
-e <- gC e0 + Kg^T r_n. Every line is linear in V's columns (R's columns are those of V), so a
-program may own a block of value columns and all of P, E on them: the forward runs over
-(value block, segment, batch*head) programs, each walking its chunks in order with P, E in
-registers.
+the chunk start; from row c to the chunk end it is gl[c]). Every line is linear in V's columns
+(R's columns are those of V), so a program may own a block of value columns and all of P, E on
+them: the forward runs over (value block, segment, batch*head) programs, each walking its chunks
+in order with P, E in registers.
+
+Normalization. The denominator is the same operator on a column of ones: r_n = diag(g1) Q p0 +
+A 1, den = diag(g1) Q e0 + A r_n, p <- gC p0 + Kg^T 1, e <- gC e0 + Kg^T r_n. A normalized AHLA
+call runs these walks unnormalized on the values [1 | 0 ...] (chunk.py, "Normalization"); a walk
+carries p itself only as a first layer alone (NORM, without E: R / (r_n + eps), the normalized
+first-order layers of HLA2 and third order).
 
 Backward (L a loss; dO = dL/dO; dP, dE the gradients of the state at the chunk's end). By the
 chain rule through the four lines above, in reverse:
@@ -202,7 +206,7 @@ def _step_values2(v2, n_v2, off_v2, t, mt, tn, mn, rv2, mv2, H: tl.constexpr, V2
 @triton.jit
 def _normalizer_rows(q, b_q, off_k, t, mt, rk, mk, H: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr,
                      PREFETCH: tl.constexpr):
-    """Q [BT, BK] in fp32 for the normalizer's row sums (Q p, Q e) when NORM, else a dummy 0. A walk
+    """Q [BT, BK] in fp32 for the normalizer's row sums (Q p) when NORM, else a dummy 0. A walk
     whose loads the compiler pipelines (not PREFETCH) reads the tile a second time, bypassing L1
     (``.cg``) so that it stays a load of its own: taken from the dots' tile b_q, the sums held that
     tile in registers and the walk kept it in one shared-memory buffer instead of the two it has
@@ -236,14 +240,15 @@ def _chunk_first_order(b_q, b_kt, b_v, P, b_qn, pn, G, g1, NORM: tl.constexpr, I
 
 
 @triton.jit
-def _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM: tl.constexpr, IS_BF16: tl.constexpr,
+def _chunk_carry(b_kt, b_v, b_r, P, E, pn, gl, gC, NORM: tl.constexpr, IS_BF16: tl.constexpr,
                  PREC: tl.constexpr, SCALE_ROWS: tl.constexpr, HAS_E: tl.constexpr = True):
-    """The state at the chunk's end: P <- gC P0 + Kg^T V, E <- gC E0 + Kg^T R (p, e: the same on
-    the column of ones, when NORM; E and e only with HAS_E). Kg^T V = K^T (diag(gl) V): SCALE_ROWS scales
+    """The state at the chunk's end: P <- gC P0 + Kg^T V, E <- gC E0 + Kg^T R (E only with HAS_E),
+    and p the same as P on the column of ones when NORM (a normalized first layer, which has no E).
+    Kg^T V = K^T (diag(gl) V): SCALE_ROWS scales
     the rows of V and R ([BT, BV] tiles) so that K^T enters both products as loaded, else K^T's
     columns (one [BK, BT] tile for both). Which is faster depends on the chunk
-    (``SCALE_ROWS_MIN_CHUNK`` in chunk.py). p and e take Kg^T's rows summed either way (vector
-    work, no product)."""
+    (``SCALE_ROWS_MIN_CHUNK`` in chunk.py). p takes Kg^T's rows summed either way (vector work, no
+    product)."""
     b_kgt = b_kt * gl[None, :]                                             # Kg^T [BK, BT]
     if SCALE_ROWS:
         P = P * gC + dot(b_kt, b_v * gl[:, None], IS_BF16, PREC)
@@ -254,10 +259,8 @@ def _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM: tl.constexpr, 
         if HAS_E:
             E = E * gC + dot(b_kgt, b_r, IS_BF16, PREC)
     if NORM:
-        if HAS_E:
-            en = en * gC + tl.sum(b_kgt.to(tl.float32) * r_n[None, :], axis=1)
         pn = pn * gC + tl.sum(b_kgt.to(tl.float32), axis=1)
-    return P, E, pn, en
+    return P, E, pn
 
 
 @triton.heuristics({
@@ -285,13 +288,13 @@ def ahla_fwd_kernel(
     qp,                      # DIVIDE: q_t . p_c, the denominator's state at the start of t's chunk, fp32 [B, T, H]
                              #   (``common.denominator``); or None
     den_in,                  # DEN_IN: the denominator fp32 [B, T, H] from a walk of its own: o / (den_in + eps); or None
-    h0_p, h0_e, h0_pn, h0_en,  # start state of every segment, fp32 [B*H*NSEG, K, V] x 2, [.., K] x 2; or None
+    h0_p, h0_e, h0_pn,       # start state of every segment, fp32 [B*H*NSEG, K, V] x 2, [.., K] (NORM); or None
                              #   (h0_e None: zero, or not carried)
-    ht_p, ht_e, ht_pn, ht_en,  # out: final state [B*H, K, V] x 2, [B*H, K] x 2; or None
+    ht_p, ht_e, ht_pn,       # out: final state [B*H, K, V] x 2, [B*H, K] (NORM); or None
     cs_p, cs_e,              # out: chunk-start snapshots [B*H, NT, K, V] x 2; or None
     cs_pn,                   # out: chunk-start snapshots of p, fp32 [B*H, NT, K] (a normalized first layer); or None
-    r,                       # out: the first order's output R [B, T, H, V] (v's dtype), normalized when NORM
-                             #   without HAS_E (its denominator then in den); or None
+    r,                       # out: the first order's output R [B, T, H, V] (v's dtype), normalized with NORM
+                             #   or DIVIDE (its denominator then in den); or None
     log_gamma, eps, T, NS,   # log(gamma) (without g), normalizer eps, sequence length, chunks per segment
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -303,20 +306,21 @@ def ahla_fwd_kernel(
     DIVIDE: tl.constexpr, DEN_IN: tl.constexpr,
 ):
     """One program per (value block, segment, batch*head) walks its segment's chunks in order,
-    keeping its columns of P and E (and all of p, e when NORM) in fp32 registers: outputs (HAS_O,
-    normalized when NORM), chunk-start snapshots (SAVE_STATES), the first order's output R for the
-    layered backward (STORE_R) and the final state (STORE_FINAL, last segment).
+    keeping its columns of P and E (and all of p when NORM) in fp32 registers: outputs (HAS_O),
+    chunk-start snapshots (SAVE_STATES), the first order's output R for the layered backward
+    (STORE_R) and the final state (STORE_FINAL, last segment).
 
     Without HAS_E (no output, E's snapshot or final state asked for) the walk is first-order
     attention alone, R = LA(q, k, v) with state P: third order's first stage (``hla3``), HLA2's
-    layers. With NORM it is normalized: R / (r_n + eps) is stored in r, r_n in den, p carried
-    beside P (its chunk-start snapshots in cs_pn with SAVE_PN). DIVIDE (the first layer alone,
-    without NORM): the same R / (r_n + eps) in r and r_n in den, the walk carrying no p: r_n =
+    layers. Only such a walk is normalized in-kernel. With NORM: R / (r_n + eps) is stored in r,
+    r_n in den, p carried beside P (its chunk-start snapshots in cs_pn with SAVE_PN). DIVIDE
+    (without NORM): the same R / (r_n + eps) in r and r_n in den, the walk carrying no p: r_n =
     diag(g1) qp + A 1 from qp, formed before the walk (``common/denominator.py``). HAS_V2
     (without HAS_E or NORM, V in one block): also R2 = LA(q, k, v2) with state P2 (module docstring,
-    "A second value tensor"). DEN_IN (with HAS_O, without NORM): o is divided by (den_in + eps), the
-    denominator a walk on the values [1 | 0 ...] stored before (AHLA's normalized forward), so that
-    this walk carries no p, e."""
+    "A second value tensor"). DEN_IN (with HAS_O): o is divided by (den_in + eps), the denominator
+    a walk on the values [1 | 0 ...] stored before: AHLA's normalized forward is two such walks
+    (``ahla_fwd`` in chunk.py), so that neither carries a normalizer."""
+    tl.static_assert(not (NORM and HAS_E), "only a first layer alone (no E) is normalized in the walk")
     # -- which piece of work this program owns ---------------------------------------------
     i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NSEG = tl.num_programs(1)
@@ -336,10 +340,8 @@ def ahla_fwd_kernel(
     E = mat_or_zeros(h0_e, i_sg * K * V, rk, mk, rv, mv, V, BK, BV, HAS_INIT and HAS_E)  # [BK, BV]
     if NORM:
         pn = vec_or_zeros(h0_pn, i_sg * K, rk, mk, BK, HAS_INIT)                 # [BK]
-        en = vec_or_zeros(h0_en, i_sg * K, rk, mk, BK, HAS_INIT and HAS_E)       # [BK]
     else:
         pn = 0.0
-        en = 0.0
     # the second values' columns, head offset and state (HAS_V2)
     rv2 = tl.arange(0, BV2)
     mv2 = rv2 < V2
@@ -366,9 +368,9 @@ def ahla_fwd_kernel(
         G, g1, g2, gl, gC, bL, n_beta, n_bL = walk_factors(
             gc, off_gc, n_beta, n_bL, i_c * BT, i_c * BT + BT, lo * BT, hi * BT, log_gamma, mt, BT, HAS_G, HAS_DECAY,
             SUMS_AHEAD)
-        if SAVE_STATES:   # the chunk's start state (p's with SAVE_PN, which comes without HAS_E: no e)
+        if SAVE_STATES:   # the chunk's start state (p's with SAVE_PN)
             i_cs = i_bh.to(tl.int64) * NT + i_c
-            _store_start(cs_p, cs_e, cs_pn, None, i_cs, P, E, pn, en, i_v, rk, mk, rv, mv, K, V, SAVE_PN, HAS_E)
+            _store_start(cs_p, cs_e, cs_pn, i_cs, P, E, pn, i_v, rk, mk, rv, mv, K, V, SAVE_PN, HAS_E)
             if HAS_V2:
                 store_mat(cs_p2 + i_cs * K * V2, P2, rk, mk, rv2, mv2, V2)
         if DIVIDE:   # read here, used after the chunk's first products: their time covers its latency
@@ -381,7 +383,7 @@ def ahla_fwd_kernel(
         if DIVIDE:   # r_n = diag(g1) Q p_c + A 1, as NORM's from a carried p
             r_n = b_qp * g1 + tl.sum(b_a, axis=1)
         if STORE_R:
-            if (NORM and not HAS_E) or DIVIDE:   # a normalized first-order layer: R / (r_n + eps), r_n its denominator
+            if NORM or DIVIDE:   # a normalized first-order layer: R / (r_n + eps), r_n its denominator
                 if i_v == 0:
                     tl.store(den + off_g + t * H, r_n, mask=mt)
                 b_ro = b_r / (r_n + eps)[:, None]
@@ -397,21 +399,15 @@ def ahla_fwd_kernel(
         # -- second order: O = diag(g1) Q E0 + A R ------------------------------------------
         if HAS_O:
             b_o = dot(b_q, E, IS_BF16, PREC) * g1[:, None] + dot(b_a, b_r, IS_BF16, PREC)      # [BT, BV]
-            if NORM:
-                b_den = tl.sum(b_qn * en[None, :], axis=1) * g1 + tl.sum(b_a * r_n[None, :], axis=1)
-                b_o = b_o / (b_den + eps)[:, None]
-                if i_v == 0:
-                    tl.store(den + off_g + t * H, b_den, mask=mt)
             if DEN_IN:
                 b_o = b_o / (b_den_in + eps)[:, None]
             tl.store(o + off_v + t[:, None] * (H * V) + rv[None, :], b_o.to(o.dtype.element_ty),
                      mask=mt[:, None] & mv[None, :])
         # -- carry the state to the chunk's end --------------------------------------------
         if HAS_V2:   # P2 as E would be, with V2 in R's place
-            P, P2, pn, en = _chunk_carry(b_kt, b_v, b_v2, r_n, P, P2, pn, en, gl, gC, NORM, IS_BF16, PREC, SCALE_ROWS)
+            P, P2, pn = _chunk_carry(b_kt, b_v, b_v2, P, P2, pn, gl, gC, NORM, IS_BF16, PREC, SCALE_ROWS)
         else:
-            P, E, pn, en = _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM, IS_BF16, PREC, SCALE_ROWS,
-                                        HAS_E)
+            P, E, pn = _chunk_carry(b_kt, b_v, b_r, P, E, pn, gl, gC, NORM, IS_BF16, PREC, SCALE_ROWS, HAS_E)
 
     if STORE_FINAL:
         if i_n == NSEG - 1:
@@ -424,8 +420,6 @@ def ahla_fwd_kernel(
             if NORM:
                 if i_v == 0:
                     tl.store(ht_pn + i_bh * K + rk, pn, mask=mk)
-                    if HAS_E:
-                        tl.store(ht_en + i_bh * K + rk, en, mask=mk)
 
 
 @triton.heuristics({
@@ -438,9 +432,9 @@ def ahla_fwd_kernel(
 def ahla_fwd_summary_kernel(
     q, k, v, gc, v2,             # as in ahla_fwd_kernel
     sum_p2,                      # out (HAS_V2): P2's summary [B*H*NSEG, K, V2]; or None
-    sum_p, sum_e, sum_pn, sum_en,  # out: each segment's end state from a zero start, fp32
-                                 #      [B*H*NSEG, K, V] x 2, [.., K] x 2 (NORM, else None);
-                                 #      sum_e, sum_en None: first order alone (no E, e, R)
+    sum_p, sum_e, sum_pn,        # out: each segment's end state from a zero start, fp32
+                                 #      [B*H*NSEG, K, V] x 2, [.., K] (NORM, else None);
+                                 #      sum_e None: first order alone (no E, R)
     sum_r, sum_lr,               # out: R = sum_i k_i q_i^T over the segment [B*H*NSEG, K, K]; log rho [B*H*NSEG]
     log_gamma, T, NS,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -449,7 +443,8 @@ def ahla_fwd_summary_kernel(
     HAS_G: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr, SCALE_ROWS: tl.constexpr,
     HAS_E: tl.constexpr, V2: tl.constexpr, BV2: tl.constexpr, HAS_V2: tl.constexpr, SUMS_AHEAD: tl.constexpr,
 ):
-    """A segment's summary: the state (P, E[, p, e]) after it from a zero state, the undecayed
+    """A segment's summary: the state (P, E, or P[, p] of a first layer alone) after it from a zero
+    state, the undecayed
     moment R = sum_i k_i q_i^T and log rho = b_end - b_start (its total log decay). A start state
     (P0, E0) reaches the segment's end as rho P0 and rho E0 + rho R P0 (``ahla_fwd_fold_kernel``).
     The grid's segments are the first NSEG - 1 of the walk's (the fold needs no summary of the
@@ -468,12 +463,11 @@ def ahla_fwd_summary_kernel(
     P = tl.zeros([BK, BV], dtype=tl.float32)
     E = tl.zeros([BK, BV], dtype=tl.float32)
     R = tl.zeros([BK, BK], dtype=tl.float32)
+    tl.static_assert(not (NORM and HAS_E), "only a first layer alone (no E) is normalized in the walk")
     if NORM:
         pn = tl.zeros([BK], dtype=tl.float32)
-        en = tl.zeros([BK], dtype=tl.float32)
     else:
         pn = 0.0
-        en = 0.0
     log_rho = 0.0
     rv2 = tl.arange(0, BV2)
     mv2 = rv2 < V2
@@ -496,16 +490,14 @@ def ahla_fwd_summary_kernel(
             gc, off_gc, n_beta, n_bL, i_c * BT, i_c * BT + BT, lo * BT, hi * BT, log_gamma, mt, BT, HAS_G, HAS_DECAY,
             SUMS_AHEAD)
         if HAS_E:
-            b_qn = _normalizer_rows(q, b_q, off_k, t, mt, rk, mk, H, K, NORM, PREFETCH)
-            b_a, b_r, r_n = _chunk_first_order(b_q, b_kt, b_v, P, b_qn, pn, G, g1, NORM, IS_BF16, PREC)
+            b_a, b_r, _ = _chunk_first_order(b_q, b_kt, b_v, P, 0.0, 0.0, G, g1, False, IS_BF16, PREC)
             R += dot(b_kt, b_q, IS_BF16, PREC)                               # K^T Q  [BK, BK]
         else:   # P alone needs neither R nor the chunk's products with Q
-            b_r, r_n = 0.0, 0.0
+            b_r = 0.0
         if HAS_V2:   # P2 as E would be, with V2 in R's place
-            P, P2, pn, en = _chunk_carry(b_kt, b_v, b_v2, r_n, P, P2, pn, en, gl, gC, NORM, IS_BF16, PREC, SCALE_ROWS)
+            P, P2, pn = _chunk_carry(b_kt, b_v, b_v2, P, P2, pn, gl, gC, NORM, IS_BF16, PREC, SCALE_ROWS)
         else:
-            P, E, pn, en = _chunk_carry(b_kt, b_v, b_r, r_n, P, E, pn, en, gl, gC, NORM, IS_BF16, PREC, SCALE_ROWS,
-                                        HAS_E)
+            P, E, pn = _chunk_carry(b_kt, b_v, b_r, P, E, pn, gl, gC, NORM, IS_BF16, PREC, SCALE_ROWS, HAS_E)
         log_rho += bL
     i_sg = i_bh.to(tl.int64) * NSEG + i_n
     store_mat(sum_p + i_sg * K * V, P, rk, mk, rv, mv, V)
@@ -519,23 +511,19 @@ def ahla_fwd_summary_kernel(
         tl.store(sum_lr + i_sg, log_rho)
         if NORM:
             tl.store(sum_pn + i_sg * K + rk, pn, mask=mk)
-            if HAS_E:
-                tl.store(sum_en + i_sg * K + rk, en, mask=mk)
 
 
 @triton.jit
-def _store_start(seg_p, seg_e, seg_pn, seg_en, i_sg, P, E, pn, en, i_v, rk, mk, rv, mv,
+def _store_start(seg_p, seg_e, seg_pn, i_sg, P, E, pn, i_v, rk, mk, rv, mv,
                  K: tl.constexpr, V: tl.constexpr, NORM: tl.constexpr, HAS_E: tl.constexpr):
     """Store a start state at index i_sg (a segment's, or a chunk's snapshot): P, E [BK, BV] (E with
-    HAS_E), p, e [BK] (NORM, value block 0; e with HAS_E)."""
+    HAS_E), p [BK] (NORM, value block 0)."""
     store_mat(seg_p + i_sg * K * V, P, rk, mk, rv, mv, V)
     if HAS_E:
         store_mat(seg_e + i_sg * K * V, E, rk, mk, rv, mv, V)
     if NORM:
         if i_v == 0:
             tl.store(seg_pn + i_sg * K + rk, pn, mask=mk)
-            if HAS_E:
-                tl.store(seg_en + i_sg * K + rk, en, mask=mk)
 
 
 @triton.heuristics({
@@ -545,16 +533,16 @@ def _store_start(seg_p, seg_e, seg_pn, seg_en, i_sg, P, E, pn, en, i_v, rk, mk, 
 })
 @triton.jit
 def ahla_fwd_fold_kernel(
-    sum_p, sum_e, sum_pn, sum_en, sum_r, sum_lr,  # segment summaries (ahla_fwd_summary_kernel)
-    h0_p, h0_e, h0_pn, h0_en,                    # state before the sequence [B*H, ..] or None
-    seg_p, seg_e, seg_pn, seg_en,                # out: state at each segment's start [B*H*NSEG, ..]
+    sum_p, sum_e, sum_pn, sum_r, sum_lr,  # segment summaries (ahla_fwd_summary_kernel)
+    h0_p, h0_e, h0_pn,                   # state before the sequence [B*H, ..] or None
+    seg_p, seg_e, seg_pn,                # out: state at each segment's start [B*H*NSEG, ..]
     NSEG,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PREC: tl.constexpr, HAS_INIT: tl.constexpr, NORM: tl.constexpr, HAS_E: tl.constexpr,
 ):
     """Fold the segment summaries in order (the combine of ``hla_ref.ahla_combine``): with
-    rho = exp(log rho),  E <- rho E + rho R_seg P + E_seg,  P <- rho P + P_seg  (p, e alike;
-    E and e only with HAS_E). Stores the start state of each of the NSEG segments; the summaries are the
+    rho = exp(log rho),  E <- rho E + rho R_seg P + E_seg,  P <- rho P + P_seg  (E only with
+    HAS_E; p as P with NORM, a first layer alone). Stores the start state of each of the NSEG segments; the summaries are the
     first NSEG - 1 segments' ([B*H, NSEG - 1, ..], ``ahla_fwd_summary_kernel``)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     rk = tl.arange(0, BK)
@@ -563,15 +551,14 @@ def ahla_fwd_fold_kernel(
     mv = rv < V
     P = mat_or_zeros(h0_p, i_bh.to(tl.int64) * K * V, rk, mk, rv, mv, V, BK, BV, HAS_INIT)
     E = mat_or_zeros(h0_e, i_bh.to(tl.int64) * K * V, rk, mk, rv, mv, V, BK, BV, HAS_INIT and HAS_E)
+    tl.static_assert(not (NORM and HAS_E), "only a first layer alone (no E) is normalized in the walk")
     if NORM:
         pn = vec_or_zeros(h0_pn, i_bh.to(tl.int64) * K, rk, mk, BK, HAS_INIT)
-        en = vec_or_zeros(h0_en, i_bh.to(tl.int64) * K, rk, mk, BK, HAS_INIT and HAS_E)
     else:
         pn = 0.0
-        en = 0.0
     for i_s in range(0, NSEG - 1):
-        _store_start(seg_p, seg_e, seg_pn, seg_en, i_bh.to(tl.int64) * NSEG + i_s, P, E, pn, en, i_v, rk, mk, rv,
-                     mv, K, V, NORM, HAS_E)
+        _store_start(seg_p, seg_e, seg_pn, i_bh.to(tl.int64) * NSEG + i_s, P, E, pn, i_v, rk, mk, rv, mv, K, V,
+                     NORM, HAS_E)
         i_sm = i_bh.to(tl.int64) * (NSEG - 1) + i_s          # segment i_s's summary
         rho = tl.exp(tl.load(sum_lr + i_sm))
         if HAS_E:
@@ -579,11 +566,9 @@ def ahla_fwd_fold_kernel(
             E = (E + tl.dot(b_r, P, input_precision=PREC)) * rho + load_mat(sum_e + i_sm * K * V, rk, mk, rv, mv, V)
         P = P * rho + load_mat(sum_p + i_sm * K * V, rk, mk, rv, mv, V)
         if NORM:
-            if HAS_E:
-                en = (en + tl.sum(b_r * pn[None, :], axis=1)) * rho + load_vec(sum_en + i_sm * K, rk, mk)
             pn = pn * rho + load_vec(sum_pn + i_sm * K, rk, mk)
-    _store_start(seg_p, seg_e, seg_pn, seg_en, i_bh.to(tl.int64) * NSEG + NSEG - 1, P, E, pn, en, i_v, rk, mk, rv,
-                 mv, K, V, NORM, HAS_E)
+    _store_start(seg_p, seg_e, seg_pn, i_bh.to(tl.int64) * NSEG + NSEG - 1, P, E, pn, i_v, rk, mk, rv, mv, K, V,
+                 NORM, HAS_E)
 
 
 # ============================================================================ backward
