@@ -661,14 +661,20 @@ def test_launcher_check_counts_mismatches_and_needs_cuda(tmp_path):
     ok = dict(op="ahla", K=16, V=16, T=2049, dtype="bfloat16", error=None, mismatch=False)
     bad = dict(ok, op="hla3", T=40, error="function takes exactly 53 arguments (54 given)", mismatch=True)
     other = dict(ok, dtype="float16", error="OutOfResources: out of resource: shared memory")
-    processes = [{"calls": [ok, bad]}, {"calls": [ok, other]}, {"tail": "Segmentation fault"}]
+    loaded = {"mapped": 5, "replaced_after_load": 2, "shadowed": 1}
+    processes = [{"calls": [ok, bad], "launchers": loaded}, {"calls": [ok, other], "launchers": loaded},
+                 {"tail": "Segmentation fault"}]
     summary = lc.summarize(processes)
-    assert summary == {"calls": 4, "mismatches": 1, "other_errors": 1, "processes_without_report": 1}
+    assert summary == {"calls": 4, "mismatches": 1, "other_errors": 1, "processes_without_report": 1,
+                       "mapped": 10, "replaced_after_load": 4, "shadowed": 2}
     res = {"device": "NVIDIA H100 80GB HBM3", "versions": {"torch": "2.11.0", "triton": "3.6.0", "python": "3.12.3"},
-           "date": "2026-12-07T09:00:00+00:00", "procs": 3, "cache": "shared", "processes": processes,
-           "summary": summary}
+           "date": "2026-12-07T09:00:00+00:00", "procs": 3, "cache": "shared", "cache_fs": "overlay",
+           "processes": processes, "summary": summary}
     text = lc.render(res)
     assert "4 training calls, 1 launched with another kernel's launcher (TypeError), 1 other errors" in text
+    assert "Triton cache: shared, on overlay" in text
+    assert ("mapped, summed over the processes: 10; replaced after the load: 4; cache files with the inode of a "
+            "library mapped from another path: 2." in text)
     assert "| 0 | hla3 | bfloat16 | 16 | 16 | 40 | function takes exactly 53 arguments (54 given) |" in text
     assert "Process 2 did not report" in text and "Segmentation fault" in text
     stored = tmp_path / "launcher_check_x.json"
@@ -684,3 +690,32 @@ def test_launcher_check_counts_mismatches_and_needs_cuda(tmp_path):
         run = subprocess.run([sys.executable, script, "--out", str(tmp_path)], capture_output=True, text=True,
                              timeout=300)
         assert run.returncode == 2 and "needs CUDA" in run.stderr
+
+
+def test_launcher_check_reads_mapped_launchers_and_the_cache_file_system(tmp_path):
+    """launcher_check.mapped_launchers counts the launcher libraries of a maps file, those whose path
+    now names another inode (or none), and the cache's launcher files that have the inode of a
+    library mapped from another path (a hard link stands in for such a file); file_system takes the
+    longest mount point above a path."""
+    lc = load("launcher_check")
+    cache = tmp_path / "cache"
+    a, b, c = (cache / d / "__triton_launcher.so" for d in "abc")
+    for f in (a, b):
+        f.parent.mkdir(parents=True)
+        f.write_bytes(b"x")
+    c.parent.mkdir()
+    os.link(a, c)   # another path, a's inode: the loader would hand back a's library for it
+    gone = cache / "d" / "__triton_launcher.so"
+    ino_a, ino_b = a.stat().st_ino, b.stat().st_ino
+    maps = tmp_path / "maps"
+    maps.write_text(f"7f00-7f01 r-xp 00000000 00:2a {ino_a} {a}\n"
+                    f"7f01-7f02 r--p 00001000 00:2a {ino_a} {a}\n"          # the same library, another segment
+                    f"7f02-7f03 r-xp 00000000 00:2a {ino_b + 1} {b}\n"      # b was replaced after the load
+                    f"7f03-7f04 r-xp 00000000 00:2a 7 {gone}\n"              # gone: no file there now
+                    f"7f04-7f05 r-xp 00000000 00:2a 99 /usr/lib/libc.so.6\n")
+    assert lc.mapped_launchers(str(cache), str(maps)) == {"mapped": 3, "replaced_after_load": 2, "shadowed": 1}
+    assert lc.mapped_launchers(str(cache), str(tmp_path / "none")) == {}
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"overlay / overlay rw 0 0\ntmpfs {os.path.realpath(tmp_path)} tmpfs rw 0 0\n")
+    assert lc.file_system(str(a), str(mounts)) == "tmpfs"
+    assert lc.file_system("/usr/lib", str(mounts)) == "overlay"
