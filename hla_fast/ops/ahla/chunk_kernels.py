@@ -244,11 +244,10 @@ def _chunk_carry(b_kt, b_v, b_r, P, E, pn, gl, gC, NORM: tl.constexpr, IS_BF16: 
                  PREC: tl.constexpr, SCALE_ROWS: tl.constexpr, HAS_E: tl.constexpr = True):
     """The state at the chunk's end: P <- gC P0 + Kg^T V, E <- gC E0 + Kg^T R (E only with HAS_E),
     and p the same as P on the column of ones when NORM (a normalized first layer, which has no E).
-    Kg^T V = K^T (diag(gl) V): SCALE_ROWS scales
-    the rows of V and R ([BT, BV] tiles) so that K^T enters both products as loaded, else K^T's
-    columns (one [BK, BT] tile for both). Which is faster depends on the chunk
-    (``SCALE_ROWS_MIN_CHUNK`` in chunk.py). p takes Kg^T's rows summed either way (vector work, no
-    product)."""
+    Kg^T V = K^T (diag(gl) V): SCALE_ROWS scales the rows of V and R ([BT, BV] tiles) so that K^T
+    enters both products as loaded, else K^T's columns (one [BK, BT] tile for both). Which is
+    faster depends on the chunk (``SCALE_ROWS_MIN_CHUNK`` in chunk.py). p takes Kg^T's rows summed
+    either way (vector work, no product)."""
     b_kgt = b_kt * gl[None, :]                                             # Kg^T [BK, BT]
     if SCALE_ROWS:
         P = P * gC + dot(b_kt, b_v * gl[:, None], IS_BF16, PREC)
@@ -444,11 +443,10 @@ def ahla_fwd_summary_kernel(
     HAS_E: tl.constexpr, V2: tl.constexpr, BV2: tl.constexpr, HAS_V2: tl.constexpr, SUMS_AHEAD: tl.constexpr,
 ):
     """A segment's summary: the state (P, E, or P[, p] of a first layer alone) after it from a zero
-    state, the undecayed
-    moment R = sum_i k_i q_i^T and log rho = b_end - b_start (its total log decay). A start state
-    (P0, E0) reaches the segment's end as rho P0 and rho E0 + rho R P0 (``ahla_fwd_fold_kernel``).
-    The grid's segments are the first NSEG - 1 of the walk's (the fold needs no summary of the
-    last), and the summaries are stored [B*H, NSEG - 1, ..]."""
+    state, the undecayed moment R = sum_i k_i q_i^T and log rho = b_end - b_start (its total log
+    decay). A start state (P0, E0) reaches the segment's end as rho P0 and rho E0 + rho R P0
+    (``ahla_fwd_fold_kernel``). The grid's segments are the first NSEG - 1 of the walk's (the fold
+    needs no summary of the last), and the summaries are stored [B*H, NSEG - 1, ..]."""
     i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NSEG = tl.num_programs(1)                          # summaries per head: the walk's segments - 1
     NT = tl.cdiv(T, BT)
@@ -542,8 +540,9 @@ def ahla_fwd_fold_kernel(
 ):
     """Fold the segment summaries in order (the combine of ``hla_ref.ahla_combine``): with
     rho = exp(log rho),  E <- rho E + rho R_seg P + E_seg,  P <- rho P + P_seg  (E only with
-    HAS_E; p as P with NORM, a first layer alone). Stores the start state of each of the NSEG segments; the summaries are the
-    first NSEG - 1 segments' ([B*H, NSEG - 1, ..], ``ahla_fwd_summary_kernel``)."""
+    HAS_E; p as P with NORM, a first layer alone). Stores the start state of each of the NSEG
+    segments; the summaries are the first NSEG - 1 segments' ([B*H, NSEG - 1, ..],
+    ``ahla_fwd_summary_kernel``)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     rk = tl.arange(0, BK)
     rv = i_v * BV + tl.arange(0, BV)
