@@ -38,6 +38,9 @@ def load(name):
                                           ("bench_ahla", "ahla_h200_first_call"),
                                           ("bench_ahla", "ahla_h200_variants"),
                                           ("bench_ahla", "ahla_h200_prefetch"),
+                                          ("launcher_check", "launcher_check_cpu_triton36"),
+                                          ("launcher_check", "launcher_check_h100"),
+                                          ("bench_hla2", "hla2_h100_first_call_serial_loads"),
                                           ("bench_ahla", "ahla_h200_decode_unwarmed"),
                                           ("profile_kernels", "kernels_h200"),
                                           ("fp16_range", "fp16_range_cpu"),
@@ -653,30 +656,26 @@ def test_first_call_logs_each_compile_with_its_stages(tmp_path):
     assert sum(entry["stages"].values()) == pytest.approx(entry["s"], rel=0.05)
 
 
-def test_launcher_check_counts_mismatches_and_needs_cuda(tmp_path):
-    """launcher_check.py: a TypeError at a launch counts as a launcher mismatch, any other error
-    apart, a process that printed no report by its output's tail; its record renders from its JSON
-    (made-up results here); without CUDA it refuses (the interpreter builds no launcher)."""
+def test_launcher_check_sums_each_ways_processes_and_refuses_bad_arguments(tmp_path):
+    """launcher_check.py: a way's processes are summed (a process without a report kept by its
+    output's tail), the record renders from its JSON (made-up results here); bad arguments and, off
+    CUDA, a run without the stub driver are refused by name."""
     lc = load("launcher_check")
-    ok = dict(op="ahla", K=16, V=16, T=2049, dtype="bfloat16", error=None, mismatch=False)
-    bad = dict(ok, op="hla3", T=40, error="function takes exactly 53 arguments (54 given)", mismatch=True)
-    other = dict(ok, dtype="float16", error="OutOfResources: out of resource: shared memory")
-    loaded = {"mapped": 5, "replaced_after_load": 2, "shadowed": 1}
-    processes = [{"calls": [ok, bad], "launchers": loaded}, {"calls": [ok, other], "launchers": loaded},
-                 {"tail": "Segmentation fault"}]
-    summary = lc.summarize(processes)
-    assert summary == {"calls": 4, "mismatches": 1, "other_errors": 1, "processes_without_report": 1,
-                       "mapped": 10, "replaced_after_load": 4, "shadowed": 2}
-    res = {"device": "NVIDIA H100 80GB HBM3", "versions": {"torch": "2.11.0", "triton": "3.6.0", "python": "3.12.3"},
-           "date": "2026-12-07T09:00:00+00:00", "procs": 3, "cache": "shared", "cache_fs": "overlay",
-           "processes": processes, "summary": summary}
-    text = lc.render(res)
-    assert "4 training calls, 1 launched with another kernel's launcher (TypeError), 1 other errors" in text
-    assert "Triton cache: shared, on overlay" in text
-    assert ("mapped, summed over the processes: 10; replaced after the load: 4; cache files with the inode of a "
-            "library mapped from another path: 2." in text)
-    assert "| 0 | hla3 | bfloat16 | 16 | 16 | 40 | function takes exactly 53 arguments (54 given) |" in text
-    assert "Process 2 did not report" in text and "Segmentation fault" in text
+    one = {"checked": 71, "mismatched": 2, "not_applicable": 0, "prepare_s": 0.03,
+           "mismatches": [{"kernel": "ahla_fwd_kernel", "launcher": 35, "own": 66}]}
+    clean = dict(one, mismatched=0, mismatches=[])
+    threads = lc.combine([one, one, {"tail": "Segmentation fault"}])
+    assert threads == {"processes": 3, "reported": 2, "checked": 142, "mismatched": 4, "not_applicable": 0,
+                       "prepare_s": 0.06, "mismatches": one["mismatches"] * 2, "tail": "Segmentation fault"}
+    assert lc.combine([{"tail": "killed"}]) == {"processes": 1, "reported": 0, "tail": "killed"}
+    res = {"device": "NVIDIA H200", "versions": {"torch": "2.11.0", "triton": "3.6.0", "python": "3.12.3"},
+           "date": "2026-12-07T09:00:00+00:00", "switch_interval": 1e-6, "cases": [list(c) for c in lc.CASES],
+           "warmup": dict(clean, prepare_s=2.8), "ways": {"threads": threads, "package": lc.combine([clean])}}
+    text = lc.render_markdown(res)
+    assert "launcher step 2.8 s; 71 kernels checked, 0 with another kernel's launcher" in text
+    assert "| threads | 3 (2) | 142 | 4 | 0 | 0.06 |" in text and "| package | 1 (1) | 71 | 0 | 0 | 0.03 |" in text
+    assert "Mismatches, `threads`: ahla_fwd_kernel with a launcher of 35 (its own 66);" in text
+    assert "A process of `threads` did not report" in text and "Segmentation fault" in text
     stored = tmp_path / "launcher_check_x.json"
     stored.write_text(json.dumps(res))
     script = os.path.join(ROOT, "benchmarks", "launcher_check.py")
@@ -684,38 +683,68 @@ def test_launcher_check_counts_mismatches_and_needs_cuda(tmp_path):
                          timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr
     assert (tmp_path / "launcher_check_x.md").read_text() == text
-    run = subprocess.run([sys.executable, script, "--procs", "0"], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 2 and "--procs must be at least 1, got 0" in run.stderr
+    for bad, says in [(["--ways", "threads,some"], "--ways takes a comma-separated list of threads, package"),
+                      (["--processes", "0"], "--processes must be at least 1, got 0"),
+                      (["--switch-interval", "0"], "--switch-interval must be a positive number of seconds")]:
+        run = subprocess.run([sys.executable, script, *bad], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 2 and says in run.stderr, (bad, run.stderr)
     if not torch.cuda.is_available():
         run = subprocess.run([sys.executable, script, "--out", str(tmp_path)], capture_output=True, text=True,
                              timeout=300)
-        assert run.returncode == 2 and "needs CUDA" in run.stderr
+        assert run.returncode == 2 and "needs CUDA, or --stub-driver" in run.stderr
 
 
-def test_launcher_check_reads_mapped_launchers_and_the_cache_file_system(tmp_path):
-    """launcher_check.mapped_launchers counts the launcher libraries of a maps file, those whose path
-    now names another inode (or none), and the cache's launcher files that have the inode of a
-    library mapped from another path (a hard link stands in for such a file); file_system takes the
-    longest mount point above a path."""
+def test_launcher_check_reads_a_launchers_argument_count():
+    """launcher_check.launcher_count reads the count off the TypeError of a launch called with none,
+    only for a launcher module of Triton's (``__triton_launcher``); check_kernels compares it with the
+    kernel's own (13 beside one a parameter) for every compiled kernel of each JIT function."""
     lc = load("launcher_check")
-    cache = tmp_path / "cache"
-    a, b, c = (cache / d / "__triton_launcher.so" for d in "abc")
-    for f in (a, b):
-        f.parent.mkdir(parents=True)
-        f.write_bytes(b"x")
-    c.parent.mkdir()
-    os.link(a, c)   # another path, a's inode: the loader would hand back a's library for it
-    gone = cache / "d" / "__triton_launcher.so"
-    ino_a, ino_b = a.stat().st_ino, b.stat().st_ino
-    maps = tmp_path / "maps"
-    maps.write_text(f"7f00-7f01 r-xp 00000000 00:2a {ino_a} {a}\n"
-                    f"7f01-7f02 r--p 00001000 00:2a {ino_a} {a}\n"          # the same library, another segment
-                    f"7f02-7f03 r-xp 00000000 00:2a {ino_b + 1} {b}\n"      # b was replaced after the load
-                    f"7f03-7f04 r-xp 00000000 00:2a 7 {gone}\n"              # gone: no file there now
-                    f"7f04-7f05 r-xp 00000000 00:2a 99 /usr/lib/libc.so.6\n")
-    assert lc.mapped_launchers(str(cache), str(maps)) == {"mapped": 3, "replaced_after_load": 2, "shadowed": 1}
-    assert lc.mapped_launchers(str(cache), str(tmp_path / "none")) == {}
-    mounts = tmp_path / "mounts"
-    mounts.write_text(f"overlay / overlay rw 0 0\ntmpfs {os.path.realpath(tmp_path)} tmpfs rw 0 0\n")
-    assert lc.file_system(str(a), str(mounts)) == "tmpfs"
-    assert lc.file_system("/usr/lib", str(mounts)) == "overlay"
+
+    def launch_taking(n, module="__triton_launcher"):
+        def launch(*args):
+            raise TypeError(f"function takes exactly {n} arguments ({len(args)} given)")
+        launch.__module__ = module
+        return launch
+
+    class Compiled:
+        def __init__(self, n_params, launcher_n, module="__triton_launcher"):
+            self.src = type("Src", (), {"signature": {i: "i32" for i in range(n_params)}})()
+            self._run = type("Run", (), {})()
+            self._run.launch = launch_taking(launcher_n, module)
+
+    class Future:
+        def __init__(self, k):
+            self.k = k
+
+        def result(self):
+            return self.k
+
+    assert lc.launcher_count(Compiled(3, 16)) == 16
+    assert lc.launcher_count(Compiled(3, 16, module="cuda_utils")) is None   # a launcher shared by every kernel
+    assert lc.launcher_count(object()) is None
+
+    class Jit:
+        __name__ = "some_kernel"
+        device_caches = {0: ({"a": Compiled(3, 16), "b": Future(Compiled(5, 16)), "c": None,
+                              "d": Compiled(2, 15, module="other")}, None)}
+
+    got = lc.check_kernels([Jit()])
+    assert got == {"checked": 2, "mismatched": 1, "not_applicable": 2,
+                   "mismatches": [{"kernel": "some_kernel", "launcher": 16, "own": 18}]}
+
+
+def test_launcher_check_builds_a_stub_cuda_driver(tmp_path):
+    """The stub driver compiles and answers as the launcher step needs: a context, an sm count."""
+    import ctypes
+    import shutil
+
+    lc = load("launcher_check")
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("needs a C compiler")
+    folder = lc.build_stub_driver(str(tmp_path))
+    lib = ctypes.CDLL(os.path.join(folder, "libcuda.so.1"))
+    value = ctypes.c_int(0)
+    assert lib.cuDeviceGetAttribute(ctypes.byref(value), 16, 0) == 0 and value.value == 132
+    ctx = ctypes.c_void_p(0)
+    assert lib.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and ctx.value
+    assert os.readlink(os.path.join(folder, "libcuda.so")) == "libcuda.so.1"

@@ -11,6 +11,7 @@
   a second identical call is not rehearsed again.
 """
 import importlib
+import os
 
 import pytest
 
@@ -315,15 +316,18 @@ def test_compile_ahead_warms_each_recorded_launch_once_per_call(as_if_cuda):
 
 
 class FakeCompiled:
-    """Stands in for a compiled kernel: records the thread and device its handles were made on."""
+    """Stands in for a compiled kernel: records the thread and device its handles were made on, and
+    in ``events`` the order of launcher builds (``build``) and handle making (``init``)."""
 
-    def __init__(self, fail=False):
-        self.inits, self.fail = [], fail
+    def __init__(self, fail=False, events=None):
+        self.inits, self.fail, self.events = [], fail, events if events is not None else []
+        self.src, self.metadata = object(), object()
 
     def _init_handles(self):
         import threading
 
         self.inits.append((threading.current_thread().name, current_device[0]))
+        self.events.append(("init", self))
         if self.fail:
             raise RuntimeError("out of resources: shared memory")
 
@@ -339,20 +343,30 @@ class FakeFuture:
 current_device = [None]
 
 
-def test_compile_ahead_prepares_each_compiled_kernel_in_the_threads_on_the_calls_device(as_if_cuda, monkeypatch):
-    """After the compiles, each compiled kernel (once, however many launches use it) is loaded and
-    its launcher built in a compile thread, on the device of the call (not the thread's own
-    current device); what that meets is left to the real launch."""
+def test_compile_ahead_prepares_each_compiled_kernel_on_the_calls_device(as_if_cuda, monkeypatch):
+    """After the compiles, each compiled kernel (once, however many launches use it) has its
+    launcher built in a compile thread and dropped, then, every build done, is loaded and its
+    launcher built again on the calling thread, one kernel after another, on the device of the call
+    (not the thread's own current device); what either step meets is left to the real launch."""
     import contextlib
+    import threading
 
     @contextlib.contextmanager
     def on_device(dev):
         current_device[0] = dev
         yield
 
+    events = []
+
+    def launcher_class(src, metadata):
+        events.append(("build", threading.current_thread().name, src))
+        if src is bad.src:
+            raise RuntimeError("no C compiler")
+
     monkeypatch.setattr(ahead.torch.cuda, "device", on_device)
     monkeypatch.setattr(ahead.torch.cuda, "current_device", lambda: 1)
-    one, bad = FakeCompiled(), FakeCompiled(fail=True)
+    monkeypatch.setattr(ahead, "_launcher_class", lambda: launcher_class)
+    one, bad = FakeCompiled(events=events), FakeCompiled(fail=True, events=events)
 
     class Returns(FakeKernel):
         def __init__(self, gives):
@@ -374,11 +388,110 @@ def test_compile_ahead_prepares_each_compiled_kernel_in_the_threads_on_the_calls
     assert ahead.compile_ahead("op", fn, (torch.zeros(2),), as_if_cuda) == len(kernels)
     assert [len(k.warmed) for k in kernels] == [1] * len(kernels)
     assert len(one.inits) == 1 and len(bad.inits) == 1   # one kernel warmed twice is prepared once
+    builds = [e for e in events if e[0] == "build"]
+    assert sorted(id(e[2]) for e in builds) == sorted([id(one.src), id(bad.src)])
+    assert all(name.startswith("hla-compile") for _, name, _ in builds)
+    assert [e[0] for e in events] == ["build", "build", "init", "init"]   # every build before any load
     (thread, dev), = one.inits
-    assert thread.startswith("hla-compile") and dev == torch.device("cuda", 1)
+    assert thread == threading.current_thread().name and dev == torch.device("cuda", 1)
     kernels[:] = [Returns(FakeFuture(FakeCompiled()))]
     assert ahead.compile_ahead("op2", fn, (torch.zeros(2),), torch.device("cuda", 3)) == 1
     assert kernels[0].gives.kernel.inits[0][1] == torch.device("cuda", 3)
+    monkeypatch.setattr(ahead, "_launcher_class", lambda: None)          # a Triton without the class
+    kernels[:] = [Returns(FakeFuture(FakeCompiled()))]
+    assert ahead.compile_ahead("op3", fn, (torch.zeros(2),), as_if_cuda) == 1
+    assert len(kernels[0].gives.kernel.inits) == 1
+
+
+# Triton 3.6 loads each kernel's launcher as a C extension module, every one named __triton_launcher.
+# These tests build such modules (one name, each returning its own number) with the system's C
+# compiler and load them with importlib, as Triton does.
+LAUNCHER_SRC = """
+#include <Python.h>
+static PyObject* ident(PyObject* self, PyObject* args) { return PyLong_FromLong(%d); }
+static PyMethodDef methods[] = {{"ident", ident, METH_NOARGS, ""}, {NULL, NULL, 0, NULL}};
+static struct PyModuleDef def = {PyModuleDef_HEAD_INIT, "hla_test_launcher", NULL, -1, methods};
+PyMODINIT_FUNC PyInit_hla_test_launcher(void) { return PyModule_Create(&def); }
+"""
+
+
+def launcher_modules(folder, n):
+    """Paths of ``n`` extension modules, all named hla_test_launcher; the i-th's ``ident()`` is i.
+    Skips where no C compiler or no Python headers are found."""
+    import shutil
+    import subprocess
+    import sysconfig
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    include = sysconfig.get_paths()["include"]
+    if cc is None or not os.path.exists(os.path.join(include, "Python.h")):
+        pytest.skip("needs a C compiler and Python's headers")
+    paths = []
+    for i in range(n):
+        d = folder / f"m{i}"
+        d.mkdir()
+        (d / "m.c").write_text(LAUNCHER_SRC % i)
+        so = d / ("hla_test_launcher" + sysconfig.get_config_var("EXT_SUFFIX"))
+        subprocess.run([cc, "-shared", "-fPIC", "-I" + include, "-o", str(so), str(d / "m.c")], check=True)
+        paths.append(str(so))
+    return paths
+
+
+def load_module(path):
+    """Load the extension module at ``path`` as Triton 3.6 loads a launcher."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hla_test_launcher", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_loading_a_launcher_module_again_hands_back_the_last_one_loaded(tmp_path):
+    """Why ``_prepare_launches`` loads one launcher at a time: a second load of a file already
+    loaded returns the module last loaded under the name, its functions replaced by the file's.
+    A thread that reads a function off it while another thread loads again can get the other's."""
+    a, b = launcher_modules(tmp_path, 2)
+    first_a, first_b = load_module(a), load_module(b)
+    assert (first_a.ident(), first_b.ident()) == (0, 1)
+    again = load_module(a)
+    assert again is first_b and again.ident() == 0 and first_b.ident() == 0   # b's module, a's function
+    assert load_module(b) is first_b and first_b.ident() == 1
+
+
+class ModuleKernel:
+    """A compiled kernel whose launcher is a real extension module: ``_init_handles`` loads it."""
+
+    def __init__(self, path, number):
+        self.src, self.metadata, self.number = path, None, number
+
+    def _init_handles(self):
+        self.run = load_module(self.src).ident
+
+
+def test_prepare_launches_gives_every_kernel_its_own_launcher(tmp_path, monkeypatch):
+    """Sixteen kernels whose launchers were each loaded before (a process that has run other calls),
+    prepared over sixteen threads with the interpreter switching threads every microsecond: each
+    kernel ends with its own launcher, round after round."""
+    import contextlib
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    paths = launcher_modules(tmp_path, 16)
+    for p in paths:
+        load_module(p)
+    monkeypatch.setattr(ahead, "_launcher_class", lambda: lambda src, metadata: load_module(src).ident)
+    monkeypatch.setattr(ahead.torch.cuda, "device", lambda dev: contextlib.nullcontext())
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            for _ in range(50):
+                kernels = [ModuleKernel(p, i) for i, p in enumerate(paths)]
+                ahead._prepare_launches(kernels, torch.device("cuda", 0), pool)
+                assert [k.run() for k in kernels] == list(range(16))
+    finally:
+        sys.setswitchinterval(interval)
 
 
 def test_compile_ahead_never_raises_what_the_rehearsal_meets(as_if_cuda):

@@ -17,9 +17,8 @@ alignment, not the tensor), so the recorded arguments are those the real call wi
 same dtypes, alignments and integers: the same specializations.
 Each recorded launch goes to ``kernel.warmup`` inside Triton's ``AsyncCompileMode`` over a thread
 pool, which compiles it (or loads it from Triton's disk cache) and files it in the kernel's
-in-process cache; the same threads then load each compiled kernel and build its launcher (what
-its first launch would do, one kernel after another); the real call then finds every kernel
-compiled and ready to launch. A call that differs from its
+in-process cache; then each compiled kernel's launcher is built (:func:`_prepare_launches`), and
+the real call finds every kernel compiled and ready to launch. A call that differs from its
 rehearsal (a final-state gradient the rehearsal did not have) compiles what is missing the
 ordinary way: the rehearsal only moves compile time, never results.
 
@@ -180,8 +179,7 @@ def compile_ahead(op: str, fn, args, device: torch.device, workers: int | None =
         compiled = {id(k): k for k in (_compiled(p) for p in pending) if k is not None}
         if compiled:   # the device as this thread sees it: a worker thread's current device may differ
             on = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
-            for done in [pool.submit(_prepare_launch, k, on) for k in compiled.values()]:
-                done.result()
+            _prepare_launches(list(compiled.values()), on, pool)
     return len(rec.launches)
 
 
@@ -206,18 +204,69 @@ def _compiled(pending):
     return pending
 
 
-def _prepare_launch(compiled, device: torch.device) -> None:
-    """Do, in a compile thread, what a compiled kernel's first launch does before launching
-    (Triton's ``_init_handles``): load the kernel onto ``device`` and build its launcher, which
-    some Triton versions (3.6, the one PyTorch 2.11 pins) compile from C with the system's compiler
-    for each kernel signature, some 0.2 to 0.5 s each. Done here, those builds run in parallel
-    instead of one after another inside the call. Anything it meets (a kernel too large for the
+# held while a call's launchers are built and loaded (_prepare_launches): one call at a time a process
+_launchers_lock = threading.Lock()
+
+
+def _prepare_launches(compiled: list, device: torch.device, pool) -> None:
+    """Do what the first launch of each kernel in ``compiled`` would do before launching: build its
+    launcher and load it onto ``device`` (Triton's ``_init_handles``), in two steps.
+
+    Why two. Some Triton versions (3.6, the one PyTorch 2.11 pins) compile a launcher from C for each
+    kernel signature with the system's C compiler, 0.2 to 0.5 s each, and load it as a Python
+    extension module; every such module is named ``__triton_launcher``. CPython loads a library once
+    a process: loading the same file again (a second kernel of the same signature, as a process that
+    has run other calls meets all the time) hands back the module last loaded under that name with
+    its functions replaced by the file's, not a module of its own. Two threads doing that at once
+    can each leave with the other's functions: a kernel then runs with another kernel's launcher and
+    stops at ``TypeError: function takes exactly N arguments (M given)`` (hla_fast/README.md, "GPU
+    tests"; ``benchmarks/launcher_check.py --stub-driver`` shows it on a CPU). So:
+
+    1. the threads of ``pool`` build every launcher at once and keep none: each lands in Triton's
+       disk cache, so the C compiles run in parallel;
+    2. this thread then loads each kernel and builds its launcher again, one after another (each a
+       load from the disk cache, milliseconds), so no two loads overlap.
+
+    A lock keeps two calls' launchers (compile-ahead in two threads) from overlapping. Anything
+    either step meets (a kernel too large for the device) is left to the real launch, which raises
+    it."""
+    with _launchers_lock:
+        launcher = _launcher_class()
+        if launcher is not None:
+            for done in [pool.submit(_build_launcher, launcher, k) for k in compiled]:
+                done.result()
+        with torch.cuda.device(device):
+            for k in compiled:
+                _prepare_launch(k)
+
+
+def _launcher_class():
+    """The class the active Triton driver builds a compiled kernel's launcher with, from the kernel's
+    ``src`` and ``metadata`` (what ``_init_handles`` calls); None where this Triton has none."""
+    try:
+        return triton.runtime.driver.active.launcher_cls
+    except Exception:  # noqa: BLE001 - no driver: each kernel's first launch builds its own
+        return None
+
+
+def _build_launcher(launcher, compiled) -> None:
+    """Build ``compiled``'s launcher with the class ``launcher`` and drop it (step 1 of
+    :func:`_prepare_launches`): what stays is its library in Triton's disk cache, where the version
+    compiles one."""
+    try:
+        launcher(compiled.src, compiled.metadata)
+    except Exception:  # noqa: BLE001 - the real launch raises it, with its context
+        pass
+
+
+def _prepare_launch(compiled) -> None:
+    """Load ``compiled`` onto the current device and build its launcher (Triton's ``_init_handles``,
+    what its first launch does before launching). Anything it meets (a kernel too large for the
     device) is left to the real launch, which raises it."""
     init = getattr(compiled, "_init_handles", None)
     if init is None:
         return
     try:
-        with torch.cuda.device(device):
-            init()
+        init()
     except Exception:  # noqa: BLE001 - the real launch raises it, with its context
         pass
