@@ -15,12 +15,12 @@ Now the threads only compile the launchers and one thread loads them (``_prepare
 What it does. For each way of preparing the launchers, in a fresh process: record the launches of
 several training calls (``compile_report.record_launches``: normalized AHLA with log-gates, HLA3,
 HLA2 with gates; bf16 and fp16; head sizes whose kernels share launcher signatures), compile them as
-``compile_ahead`` does (Triton's ``AsyncCompileMode`` over a thread pool), prepare the launchers, and
-check every compiled kernel: its launcher's argument count (its ``launch`` called with none names
-it) against its kernel's (13 of the launcher's own and one a parameter). Ways:
-``threads``, each kernel's ``_init_handles`` in the pool's threads (the package before the change);
-``package``, ``compile._prepare_launches``. ``--switch-interval`` sets how often the interpreter
-switches threads (CPython's default is 5 ms; 1 microsecond makes the interleavings the test runs
+``compile_ahead`` does (``compile.compile_launches``: Triton's ``AsyncCompileMode`` over a thread
+pool), prepare the launchers, and check every compiled kernel: its launcher's argument count (its
+``launch`` called with none names it) against its kernel's (13 of the launcher's own and one a
+parameter). Ways: ``threads``, each kernel's ``_init_handles`` in the pool's threads (the package
+before the change); ``package``, ``compile._prepare_launches``. ``--switch-interval`` sets how often
+the interpreter switches threads (CPython's default is 5 ms; 1 microsecond makes the interleavings the test runs
 met once in hundreds of calls happen in every call).
 
 ``--stub-driver`` needs no GPU: the kernels compile for sm_90 and the launchers link a stub CUDA
@@ -152,7 +152,6 @@ def child(way: str, switch_interval: float, stub: bool) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
-    import triton
 
     if stub:
         use_stub_driver()
@@ -166,12 +165,7 @@ def child(way: str, switch_interval: float, stub: bool) -> dict:
         _, launches = compile_report.record_launches(op, 1, T, 2, K, V, getattr(torch, dtype), gates=gates,
                                                      normalize=normalize)
         with ThreadPoolExecutor(max_workers=min(len(launches), os.cpu_count() or 1)) as pool:
-            mode = triton.AsyncCompileMode(pool, ignore_errors=True).__enter__()
-            try:
-                pending = [ahead._warm(k, g, kw) for k, g, kw in launches]
-            finally:
-                mode.__exit__(None, None, None)
-            compiled = list({id(k): k for k in (ahead._compiled(p) for p in pending) if k is not None}.values())
+            compiled = ahead.compile_launches(launches, pool)
             t0 = time.perf_counter()
             if way == "threads":
                 for done in [pool.submit(ahead._prepare_launch, k) for k in compiled]:
@@ -270,8 +264,8 @@ def main(argv=None) -> int:
             [stub] + [p for p in [env.get("LD_LIBRARY_PATH")] if p]))
 
     def run_child(way):
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", way, "--switch-interval", str(args.switch_interval)]
-        cmd += ["--stub-driver"] if args.stub_driver else []
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", way,
+               "--switch-interval", str(args.switch_interval)] + (["--stub-driver"] if args.stub_driver else [])
         try:
             run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
             out = run.stdout + run.stderr

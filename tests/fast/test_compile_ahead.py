@@ -462,8 +462,8 @@ def test_loading_a_launcher_module_again_hands_back_the_last_one_loaded(tmp_path
 class ModuleKernel:
     """A compiled kernel whose launcher is a real extension module: ``_init_handles`` loads it."""
 
-    def __init__(self, path, number):
-        self.src, self.metadata, self.number = path, None, number
+    def __init__(self, path):
+        self.src, self.metadata = path, None
 
     def _init_handles(self):
         self.run = load_module(self.src).ident
@@ -487,7 +487,7 @@ def test_prepare_launches_gives_every_kernel_its_own_launcher(tmp_path, monkeypa
     try:
         with ThreadPoolExecutor(16) as pool:
             for _ in range(50):
-                kernels = [ModuleKernel(p, i) for i, p in enumerate(paths)]
+                kernels = [ModuleKernel(p) for p in paths]
                 ahead._prepare_launches(kernels, torch.device("cuda", 0), pool)
                 assert [k.run() for k in kernels] == list(range(16))
     finally:

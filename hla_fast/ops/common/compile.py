@@ -168,19 +168,29 @@ def compile_ahead(op: str, fn, args, device: torch.device, workers: int | None =
         return 0
     n = workers or min(len(rec.launches), os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=n, thread_name_prefix="hla-compile") as pool:
-        try:
-            mode = triton.AsyncCompileMode(pool, ignore_errors=True).__enter__()
-        except RuntimeError:  # another AsyncCompileMode is active in this thread: compile as usual
+        compiled = compile_launches(rec.launches, pool)
+        if compiled is None:   # another AsyncCompileMode is active in this thread: compile as usual
             return 0
-        try:
-            pending = [_warm(kernel, grid, kwargs) for kernel, grid, kwargs in rec.launches]
-        finally:
-            mode.__exit__(None, None, None)   # waits for every compile
-        compiled = {id(k): k for k in (_compiled(p) for p in pending) if k is not None}
         if compiled:   # the device as this thread sees it: a worker thread's current device may differ
             on = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
-            _prepare_launches(list(compiled.values()), on, pool)
+            _prepare_launches(compiled, on, pool)
     return len(rec.launches)
+
+
+def compile_launches(launches, pool) -> list | None:
+    """Compile every recorded launch ``(kernel, grid, kwargs)`` over the threads of ``pool`` (Triton's
+    ``AsyncCompileMode``) and wait: the compiled kernels, each once however many launches use it
+    (a launch whose compile failed is left to the real call). None where another
+    ``AsyncCompileMode`` is active in this thread (nothing compiled)."""
+    try:
+        mode = triton.AsyncCompileMode(pool, ignore_errors=True).__enter__()
+    except RuntimeError:
+        return None
+    try:
+        pending = [_warm(kernel, grid, kwargs) for kernel, grid, kwargs in launches]
+    finally:
+        mode.__exit__(None, None, None)   # waits for every compile
+    return list({id(k): k for k in (_compiled(p) for p in pending) if k is not None}.values())
 
 
 def _warm(kernel, grid, kwargs):
