@@ -128,7 +128,12 @@ def load(name):
                                           ("bench_hla2", "hla2_h100_1207_main_short"),
                                           ("bench_hla2", "hla2_h100_1207_rest"),
                                           ("compile_report", "compile_hla2_fp16_k64_gates_triton36_cpu"),
-                                          ("compile_report", "compile_hla2_fp32_k64_gates_triton36_cpu")])
+                                          ("compile_report", "compile_hla2_fp32_k64_gates_triton36_cpu"),
+                                          ("compile_report", "compile_hla2_bf16_k64_layers_normalize_cpu"),
+                                          ("compile_report", "compile_hla2_bf16_k64_layers_normalize_bwd_den_pass_cpu"),
+                                          ("compile_report", "compile_hla2_bf16_k128_layers_normalize_cpu"),
+                                          ("compile_report",
+                                           "compile_hla2_bf16_k128_layers_normalize_bwd_den_pass_cpu")])
 def test_recorded_markdown_is_rendered_from_its_json(script, stem):
     with open(os.path.join(RESULTS, stem + ".json")) as f:
         res = json.load(f)

@@ -247,14 +247,16 @@ class Operator:
 def _as_layers(op, shared=False, den_pass=False):
     """``op`` with its triton calls run as first-order layers (``ChunkConfig.layers``; hla3's
     second stage; ``shared``: hla3's R and K' in one walk, ``fwd_shared_walk``; ``den_pass``: hla2's
-    normalized outer layer with its denominator from passes of its own, ``fwd_den_pass``) in chunks
+    normalized outer layer with its denominator and its state's gradients from passes of their own,
+    ``fwd_den_pass`` and ``bwd_den_pass``) in chunks
     of ``chunk_size`` (DEFAULT_CHUNK, 64, when None), whatever the rule would take; other backends
     and a bad ``chunk_size`` go to ``op`` as given (its checks name them)."""
     def call(q, k, v, *, backend=None, chunk_size=None, config=None, **kw):
         if backend == "triton" and config is None and chunk_size in (None, 16, 32, 64, 128):
             c = chunk_size or 64
             config = hla_fast.ChunkConfig(fwd_chunk=c, bwd_chunk=c, grad_parts=(7,), layers=True,
-                                          fwd_shared_walk=shared, fwd_den_pass=den_pass)
+                                          fwd_shared_walk=shared, fwd_den_pass=den_pass,
+                                          bwd_den_pass=den_pass)
         return op(q, k, v, backend=backend, chunk_size=chunk_size, config=config, **kw)
 
     call.__name__ = f"{op.__name__}_{'shared_walk' if shared else 'den_pass' if den_pass else 'layers'}"

@@ -749,20 +749,66 @@ def test_denominator_passes_are_the_sums(T, K, chunk_rows, decay, init, device, 
         assert rel(starts[:, 1:], at_starts.permute(0, 2, 1, 3).reshape(B * H, NT, K)[:, 1:]) < TOL
 
 
-def test_den_pass_config_is_checked(device):
-    """config.fwd_den_pass: a bool that needs layers (so AHLA, which refuses layers, refuses it too),
-    refused by hla3 (one config or either of a pair); unnormalized it changes nothing."""
-    layers, den_pass = checked_layers_flag("fwd_den_pass")
+@pytest.mark.parametrize("T,K,chunk_rows", [(1, 8, 16), (37, 12, 16), (600, 20, 16), (70, 16, 32), (300, 24, 128)])
+@pytest.mark.parametrize("decay", ["none", "gamma", "g"])
+@pytest.mark.parametrize("final", [False, True])
+def test_denominator_grad_passes_are_the_sums(T, K, chunk_rows, decay, final, device, poison):
+    """``common.denominator.carried_denominator_grad`` (``bwd_den_pass``): the gradient of the
+    denominator's state p at every chunk's end and at the start, given dd = dL/dden and dL/dp_T,
+    against the index sums dp_e = sum_{t > e} dd_t exp(b_t - b_e) q_t + exp(b_{T-1} - b_e) dL/dp_T
+    (b_{-1} = 0 for the start), on the shapes of the forward's test."""
+    from hla_fast.ops.common import denominator
+    B, H = 2, 3
+    q, _, _ = rand_qkv(B, T, H, K, 4, seed=T + K + 1, device=device)
+    dd = torch.randn(B, T, H, generator=torch.Generator().manual_seed(T)).to(device)
+    g = rand_gates(B, T, H, seed=K + 1, device=device) if decay == "g" else None
+    gamma = 0.9 if decay == "gamma" else None
+    dpT = torch.randn(B, H, K, generator=torch.Generator().manual_seed(6)).to(device) if final else None
+    lg = 0.0 if gamma is None else float(torch.log(torch.tensor(gamma, dtype=torch.float64)))
+    dp_end, dp0 = denominator.carried_denominator_grad(q, dd, g, dpT, chunk=chunk_rows, has_decay=decay != "none",
+                                                       log_gamma=lg, launch=launch_kernel)
+    if g is not None:
+        b = g.double().cpu().cumsum(1)
+    else:
+        b = torch.arange(1, T + 1, dtype=torch.float64)[None, :, None].expand(B, T, H) * lg
+    b = torch.cat([torch.zeros(B, 1, H, dtype=torch.float64), b], 1)                   # b_{-1} = 0 first
+    qd, ddd = q.double().cpu(), dd.double().cpu()
+    dpTd = torch.zeros(B, H, K, dtype=torch.float64) if dpT is None else dpT.double().cpu()
+
+    def grad_after(e):   # dL/dp for p after token e (e = -1: the initial state)
+        later = slice(e + 1, T)
+        w = torch.exp(b[:, e + 2:] - b[:, e + 1:e + 2]) * ddd[:, later]                   # [B, T - e - 1, H]
+        return torch.einsum("bth,bthk->bhk", w, qd[:, later]) + torch.exp(b[:, -1] - b[:, e + 1])[..., None] * dpTd
+
+    NT = -(-T // chunk_rows)
+    want = torch.stack([grad_after(min((c + 1) * chunk_rows, T) - 1) for c in range(NT)], 2)   # [B, H, NT, K]
+    assert dp_end.shape == (B * H, NT, K) and dp0.shape == (B, H, K)
+    # the last chunk ends the sequence: its end gradient is dL/dp_T itself (zero without it)
+    assert torch.equal(dp_end[:, -1].cpu(), torch.zeros(B * H, K) if dpT is None else dpT.reshape(B * H, K).cpu())
+    if NT > 1:
+        assert rel(dp_end[:, :-1], want.reshape(B * H, NT, K)[:, :-1]) < TOL
+    assert rel(dp0, grad_after(-1)) < TOL
+
+
+@pytest.mark.parametrize("name", ["fwd_den_pass", "bwd_den_pass"])
+def test_den_pass_config_is_checked(name, device):
+    """config.fwd_den_pass and config.bwd_den_pass: bools that need layers (so AHLA, which refuses
+    layers, refuses them too), refused by hla3 (one config or either of a pair); unnormalized they
+    change nothing."""
+    layers, den_pass = checked_layers_flag(name)
     q, k, v = rand_qkv(1, 21, 2, 8, 8, seed=3, device=device)
     for config in (den_pass, (layers.replace(layers=False), den_pass), (den_pass, layers)):
-        with pytest.raises(ValueError, match=r"config.fwd_den_pass must be False for hla3 \(only hla2's normalized"):
+        with pytest.raises(ValueError, match=rf"config.{name} must be False for hla3 \(only hla2's normalized"):
             hla_fast.hla3(q, k, v, gamma=0.9, backend="triton", config=config)
     with pytest.raises(ValueError, match="config.layers must be False for ahla"):
         hla_fast.ahla(q, k, v, gamma=0.9, backend="triton", config=den_pass)
-    plain = [hla_fast.hla2(q, k, v, gamma=0.9, backend="triton", config=c, output_final_state=True) for c in
-             (layers, den_pass)]
-    assert torch.equal(plain[0][0], plain[1][0]) and all(torch.equal(a, b) for a, b in zip(plain[0][1], plain[1][1])
-                                                         if a is not None)
+    plain = []
+    for c in (layers, den_pass):
+        ins = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        o, state = hla_fast.hla2(*ins, gamma=0.9, backend="triton", config=c, output_final_state=True)
+        (o * v).sum().backward()
+        plain.append([o, *(s for s in state if s is not None), *(x.grad for x in ins)])
+    assert all(torch.equal(a, b) for a, b in zip(*plain))
 
 
 @pytest.mark.parametrize("K", [16, 140])

@@ -105,6 +105,10 @@ class ChunkConfig:
         their own parallel over chunks (``common/denominator.py``); its walk then carries no z and
         forms the denominator from those and its own scores. Needs ``layers``; changes nothing
         unnormalized. HLA2 only.
+    bwd_den_pass: with ``layers``, a normalized call's outer layer takes the gradient of its
+        denominator's state at every chunk's end from passes of their own (the same two passes run
+        from the last chunk, ``common/denominator.py``); its state-gradient walk then carries dW
+        alone. Needs ``layers``; changes nothing unnormalized. HLA2 only.
     """
 
     fwd_chunk: int = 64
@@ -130,6 +134,7 @@ class ChunkConfig:
     layers: bool = False
     fwd_shared_walk: bool = False
     fwd_den_pass: bool = False
+    bwd_den_pass: bool = False
 
     def __post_init__(self):
         for name, choices in _CHOICES.items():
@@ -157,7 +162,7 @@ class ChunkConfig:
         if sorted(b for m in parts for b in (1, 2, 4) if m & b) != [1, 2, 4]:
             raise ValueError(f"config.grad_parts must cover dq (1), dk (2) and dv (4) once each, got {parts!r}")
         for name in ("save_states", "bf16_snapshots", "fwd_prefetch", "bwd_prefetch", "bwd_layers", "fwd_output_pass",
-                     "fwd_two_walks", "layers", "fwd_shared_walk", "fwd_den_pass"):
+                     "fwd_two_walks", "layers", "fwd_shared_walk", "fwd_den_pass", "bwd_den_pass"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"config.{name} must be True or False, got {getattr(self, name)!r}")
         rb = self.fwd_row_blocks
@@ -171,9 +176,10 @@ class ChunkConfig:
         if self.fwd_two_walks and self.fwd_segments != 1:
             raise ValueError(f"config.fwd_two_walks needs config.fwd_segments=1 (the two walks run whole "
                              f"sequences), got {self.fwd_segments}")
-        if self.fwd_den_pass and not self.layers:
-            raise ValueError("config.fwd_den_pass needs config.layers (it is how hla2's outer first-order layer forms "
-                             "its denominator), got layers=False")
+        for name in ("fwd_den_pass", "bwd_den_pass"):
+            if getattr(self, name) and not self.layers:
+                raise ValueError(f"config.{name} needs config.layers (it is how hla2's outer first-order layer forms "
+                                 f"its denominator), got layers=False")
         if self.fwd_shared_walk and not self.layers:
             raise ValueError("config.fwd_shared_walk needs config.layers (it runs two of hla3's first-order layers in "
                              "one walk), got layers=False")
@@ -223,10 +229,12 @@ def refuse_shared_walk(cfg: ChunkConfig, op: str) -> None:
 
 
 def refuse_den_pass(cfg: ChunkConfig, op: str) -> None:
-    """Refuse ``fwd_den_pass`` for an operator whose normalized calls do not run HLA2's outer layer."""
-    if cfg.fwd_den_pass:
-        raise ValueError(f"config.fwd_den_pass must be False for {op} (only hla2's normalized outer layer takes its "
-                         f"denominator from passes of its own), got True")
+    """Refuse ``fwd_den_pass`` and ``bwd_den_pass`` for an operator whose normalized calls do not
+    run HLA2's outer layer."""
+    for name in ("fwd_den_pass", "bwd_den_pass"):
+        if getattr(cfg, name):
+            raise ValueError(f"config.{name} must be False for {op} (only hla2's normalized outer layer takes its "
+                             f"denominator from passes of its own), got True")
 
 
 def refuse_ahla_fields(cfg: ChunkConfig, op: str) -> None:
