@@ -629,7 +629,7 @@ def test_key_block_layers_fit_hopper_shared_memory():
 def test_layers_rule(monkeypatch):
     """hla2_config takes the first-order layers (``layers_config``: AHLA's rule for the same
     kernels, the backward walking whole sequences) for long bf16 calls of 64- or 128-wide heads,
-    normalized or not (the same layout), and for training 128-wide heads at any length; the fused
+    normalized or not (the same layout, with the denominator's passes), and for training 128-wide heads at any length; the fused
     kernels' rule otherwise (``takes_layers``' measurements)."""
     monkeypatch.setattr(launch, "sm_count", lambda device: 132)
     monkeypatch.setattr(launch, "interpreter_on", lambda: False)   # the rule as a GPU sees it
@@ -643,9 +643,10 @@ def test_layers_rule(monkeypatch):
                 ahla = hla_fast.ahla_config(4, 32768, 16, K, K, bf16, cuda, training=training)
                 assert c == ahla.replace(bwd_segments=1, bwd_pieces=1, bwd_prefetch=False, bwd_layers=False,
                                          grad_parts=(7,), layers=True)
-                # normalized: the same layout, with the denominator's passes for 128-wide key tiles
+                # normalized: the same layout, with the denominator's passes for 128-wide key tiles and
+                # its state gradients' passes for 64-wide ones
                 n = hla_fast.hla2_config(4, 32768, 16, K, K, bf16, cuda, gated=gated, training=training, normalize=True)
-                assert n == (c.replace(fwd_den_pass=True) if K == 128 else c)
+                assert n == c.replace(**{"fwd_den_pass" if K == 128 else "bwd_den_pass": True})
     c = hla_fast.hla2_config(4, 32768, 16, 128, 128, bf16, cuda)
     assert (c.fwd_chunk, c.fwd_warps, c.fwd_stages) == (128, 8, 2)   # AHLA's inference walk of 128-wide keys
     for chunk_size in (None, 128, 64):

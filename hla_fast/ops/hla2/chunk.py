@@ -112,15 +112,20 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     carrying z, in the unnormalized call's layout: the inference forward (chunks of 128 in 8 warps,
     where the walk carrying z was slower than in chunks of 64 in 4) and the gated training call were
     faster, the ungated training call took as long (``hla2_h100_ab_den_pass_k128{,_gates}.json``);
-    at K = V = 64 both were slower (``hla2_h100_ab_den_pass_k64_unkept.json``; the numbers and the
-    command in hla_fast/README.md, "The configuration rule"). The result is immutable, so it is
-    cached."""
+    at K = V = 64 both were slower (``hla2_h100_ab_den_pass_k64_unkept.json``). With key tiles of
+    64 the backward takes the gradients of z's states from passes of their own (``bwd_den_pass``),
+    so that its walk carries dW alone: a training call 5.20 -> 5.06 ms, 5.73 -> 5.51 gated; at 128
+    it took as long (13.42 against 13.47 ms, 14.01 against 13.88 gated) and keeps the walk carrying
+    dz (``hla2_h100_ab_bwd_den_pass{,_gates}.json``; the numbers and the commands in
+    hla_fast/README.md, "The configuration rule"). The result is immutable, so it is cached."""
     wide = K > TILE_MAX   # in key blocks (normalized on [v | 1]: no NORM walks)
     if takes_layers(T, K, V, dtype, False, training):
         width = max(b - a for a, b in key_blocks(K))
         cfg = layers_config(B, T, H, width, V, dtype, device, chunk_size, training)
         if normalize and not wide and pow2_block(width) == TILE_MAX:
             cfg = cfg.replace(fwd_den_pass=True)
+        elif normalize and not wide:
+            cfg = cfg.replace(bwd_den_pass=True)
         return cfg
     return fused_config(B, T, H, K, V, dtype, device, chunk_size, gated, normalize, training)
 
