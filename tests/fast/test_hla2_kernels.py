@@ -712,6 +712,16 @@ def first_order_state(k, b, p0):
     return torch.cat([p0[:, None], p[:, :-1]], 1), p[:, -1]
 
 
+def den_pass_decay(decay, g, B, T, H):
+    """For the denominator passes' tests: (log(gamma) as their launch takes it, the cumulative log
+    decay b [B, T, H] float64 to each token) for ``decay`` "none", "gamma" (0.9) or "g" (log-gates
+    g [B, T, H])."""
+    lg = float(torch.log(torch.tensor(0.9, dtype=torch.float64))) if decay == "gamma" else 0.0
+    if decay == "g":
+        return lg, g.double().cpu().cumsum(1)
+    return lg, torch.arange(1, T + 1, dtype=torch.float64)[None, :, None].expand(B, T, H) * lg
+
+
 @pytest.mark.parametrize("T,K,chunk_rows", [(1, 8, 16), (37, 12, 16), (600, 20, 16), (70, 16, 32), (300, 24, 128)])
 @pytest.mark.parametrize("decay", ["none", "gamma", "g"])
 @pytest.mark.parametrize("init", [False, True])
@@ -725,15 +735,10 @@ def test_denominator_passes_are_the_sums(T, K, chunk_rows, decay, init, device, 
     B, H = 2, 3
     q, k, _ = rand_qkv(B, T, H, K, 4, seed=T + K, device=device)
     g = rand_gates(B, T, H, seed=K, device=device) if decay == "g" else None
-    gamma = 0.9 if decay == "gamma" else None
     p0 = torch.rand(B, H, K, generator=torch.Generator().manual_seed(5)).to(device) if init else None
-    lg = 0.0 if gamma is None else float(torch.log(torch.tensor(gamma, dtype=torch.float64)))
+    lg, b = den_pass_decay(decay, g, B, T, H)
     qp, pT, starts = denominator.carried_denominator(q, k, g, p0, chunk=chunk_rows, has_decay=decay != "none",
                                                      log_gamma=lg, launch=launch_kernel)
-    if g is not None:
-        b = g.double().cpu().cumsum(1)
-    else:
-        b = torch.arange(1, T + 1, dtype=torch.float64)[None, :, None].expand(B, T, H) * lg
     before, want_pT = first_order_state(k.double().cpu(), b, torch.zeros(B, H, K, dtype=torch.float64)
                                         if p0 is None else p0.double().cpu())
     NT = -(-T // chunk_rows)
@@ -763,15 +768,10 @@ def test_denominator_grad_passes_are_the_sums(T, K, chunk_rows, decay, final, de
     q, _, _ = rand_qkv(B, T, H, K, 4, seed=T + K + 1, device=device)
     dd = torch.randn(B, T, H, generator=torch.Generator().manual_seed(T)).to(device)
     g = rand_gates(B, T, H, seed=K + 1, device=device) if decay == "g" else None
-    gamma = 0.9 if decay == "gamma" else None
     dpT = torch.randn(B, H, K, generator=torch.Generator().manual_seed(6)).to(device) if final else None
-    lg = 0.0 if gamma is None else float(torch.log(torch.tensor(gamma, dtype=torch.float64)))
+    lg, b = den_pass_decay(decay, g, B, T, H)
     dp_end, dp0 = denominator.carried_denominator_grad(q, dd, g, dpT, chunk=chunk_rows, has_decay=decay != "none",
                                                        log_gamma=lg, launch=launch_kernel)
-    if g is not None:
-        b = g.double().cpu().cumsum(1)
-    else:
-        b = torch.arange(1, T + 1, dtype=torch.float64)[None, :, None].expand(B, T, H) * lg
     b = torch.cat([torch.zeros(B, 1, H, dtype=torch.float64), b], 1)                   # b_{-1} = 0 first
     qd, ddd = q.double().cpu(), dd.double().cpu()
     dpTd = torch.zeros(B, H, K, dtype=torch.float64) if dpT is None else dpT.double().cpu()

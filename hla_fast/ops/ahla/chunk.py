@@ -506,7 +506,8 @@ def normalized_layer_bwd(q, k, x, dy, dd, g, gamma, h0, z0, dht, dzt, want_dh0, 
     state [H | p], the column of ones carried as vectors (``ahla_bwd_dh_kernel``'s and
     ``ahla_bwd_layer_kernel``'s NORM; with ``cfg.bwd_den_pass`` p's state gradients come from
     ``common.denominator.carried_denominator_grad`` and the walk carries dH alone). z0: p's
-    chunk-start snapshots fp32 [B*H, NT, K]; dzt: p_T's gradient fp32 [B, H, K] or None. Returns dx, dq, dk, dH0, dp0 (fp32 [B, H, K], or None), db."""
+    chunk-start snapshots fp32 [B*H, NT, K]; dzt: p_T's gradient fp32 [B, H, K] or None. Returns dx,
+    dq, dk, dH0, dp0 (fp32 [B, H, K], or None), db."""
     return _layer_bwd(q, k, x, dy, g, gamma, h0, dht, want_dh0, cfg, (dd, z0, dzt), want_db=want_db, db_own=True,
                       launch=launch)
 
@@ -533,7 +534,8 @@ def _layer_bwd(q, k, x, dy, g, gamma, h0, dht, want_dh0, cfg: ChunkConfig, norm,
     db = torch.empty(B, T, H, device=dev, dtype=f32) if want_db else None
     dd, z0, dzt = (None,) * 3 if norm is None else norm
     dz_end = dz0 = None
-    walk = {}   # what the state-gradient walk carries of the column of ones (nothing unnormalized)
+    # what the state-gradient walk carries of the column of ones (nothing unnormalized or with the passes)
+    walk = dict.fromkeys(("dd", "dz_end", "dzt", "dz0"))
     if dd is not None and cfg.bwd_den_pass:   # its state gradients from passes of their own
         dz_end, dz0 = carried_denominator_grad(q, dd, g, dzt, chunk=BT, has_decay=flags["HAS_DECAY"], log_gamma=lg,
                                                launch=launch)
@@ -541,11 +543,10 @@ def _layer_bwd(q, k, x, dy, g, gamma, h0, dht, want_dh0, cfg: ChunkConfig, norm,
     elif dd is not None:   # carried by the walk: every chunk's end, and the start's
         dz_end = torch.empty(BH, NT, K, device=dev, dtype=f32)
         dz0 = torch.empty(B, H, K, device=dev, dtype=f32) if want_dh0 else None
-        walk = dict(dd=dd, dz_end=dz_end, dzt=None if dzt is None else dzt.float().contiguous(), dz0=dz0)
+        walk.update(dd=dd, dz_end=dz_end, dzt=None if dzt is None else dzt.float().contiguous(), dz0=dz0)
     gc = sums_at(g, BT, launch)   # both kernels read beta (common.cumsum)
     launch(ahla_bwd_dh_kernel, (cdiv(V, BV), cdiv(K, BKW), BH), q=q, dy=dy, gc=gc, dh_end=dh_end, dht=dht, dh0=dh0,
-           **{name: walk.get(name) for name in ("dd", "dz_end", "dzt", "dz0")}, log_gamma=lg, T=T, BK=BKW,
-           num_warps=DH_WARPS, num_stages=DH_STAGES, **kw)
+           **walk, log_gamma=lg, T=T, BK=BKW, num_warps=DH_WARPS, num_stages=DH_STAGES, **kw)
     launch(ahla_bwd_layer_kernel, (NT, BH), q=q, k=k, x=x, dy=dy, gc=gc, h0=h0, dh_end=dh_end, dd=dd, z0=z0,
            dz_end=dz_end, dx=dx, dq=dq, dk=dk, dq_in=dq_in, dk_in=dk_in, db=db, log_gamma=lg, T=T, DB_OWN=db_own,
            DX_TO_DK=x_is_k, BK=BK, num_warps=nw, num_stages=LAYER_STAGES, **kw)

@@ -122,10 +122,8 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     if takes_layers(T, K, V, dtype, False, training):
         width = max(b - a for a, b in key_blocks(K))
         cfg = layers_config(B, T, H, width, V, dtype, device, chunk_size, training)
-        if normalize and not wide and pow2_block(width) == TILE_MAX:
-            cfg = cfg.replace(fwd_den_pass=True)
-        elif normalize and not wide:
-            cfg = cfg.replace(bwd_den_pass=True)
+        if normalize and not wide:   # the denominator's passes: forward at 128-wide key tiles, else backward
+            cfg = cfg.replace(**{"fwd_den_pass" if pow2_block(width) == TILE_MAX else "bwd_den_pass": True})
         return cfg
     return fused_config(B, T, H, K, V, dtype, device, chunk_size, gated, normalize, training)
 
