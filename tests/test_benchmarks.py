@@ -134,7 +134,14 @@ def load(name):
                                           ("compile_report", "compile_hla2_bf16_k128_layers_normalize_cpu"),
                                           ("compile_report",
                                            "compile_hla2_bf16_k128_layers_normalize_bwd_den_pass_cpu"),
-                                          ("bench_hla2", "hla2_h100_bwd_den_pass_k64")])
+                                          ("bench_hla2", "hla2_h100_bwd_den_pass_k64"),
+                                          ("compile_report", "compile_hla2_bf16_k64_layers_triton36_cpu"),
+                                          ("compile_report", "compile_hla2_bf16_k64_layers_outer_sums_triton36_cpu"),
+                                          ("compile_report", "compile_hla2_bf16_k64_layers_fwd_triton36_cpu"),
+                                          ("compile_report",
+                                           "compile_hla2_bf16_k64_layers_fwd_outer_sums_triton36_cpu"),
+                                          ("profile_kernels", "kernels_hla2_h100_k64_train"),
+                                          ("profile_kernels", "kernels_hla2_h100_k64_forward")])
 def test_recorded_markdown_is_rendered_from_its_json(script, stem):
     with open(os.path.join(RESULTS, stem + ".json")) as f:
         res = json.load(f)

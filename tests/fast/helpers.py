@@ -244,11 +244,12 @@ class Operator:
         return self.package or self.name
 
 
-def _as_layers(op, shared=False, den_pass=False):
+def _as_layers(op, shared=False, den_pass=False, outer_sums=False):
     """``op`` with its triton calls run as first-order layers (``ChunkConfig.layers``; hla3's
     second stage; ``shared``: hla3's R and K' in one walk, ``fwd_shared_walk``; ``den_pass``: hla2's
     normalized outer layer with its denominator and its state's gradients from passes of their own,
-    ``fwd_den_pass`` and ``bwd_den_pass``) in chunks
+    ``fwd_den_pass`` and ``bwd_den_pass``; ``outer_sums``: forward walks of three segments, the
+    outer layer's summaries formed by the inner walk, ``fwd_outer_sums``) in chunks
     of ``chunk_size`` (DEFAULT_CHUNK, 64, when None), whatever the rule would take; other backends
     and a bad ``chunk_size`` go to ``op`` as given (its checks name them)."""
     def call(q, k, v, *, backend=None, chunk_size=None, config=None, **kw):
@@ -256,10 +257,12 @@ def _as_layers(op, shared=False, den_pass=False):
             c = chunk_size or 64
             config = hla_fast.ChunkConfig(fwd_chunk=c, bwd_chunk=c, grad_parts=(7,), layers=True,
                                           fwd_shared_walk=shared, fwd_den_pass=den_pass,
-                                          bwd_den_pass=den_pass)
+                                          bwd_den_pass=den_pass, fwd_segments=3 if outer_sums else 1,
+                                          fwd_outer_sums=outer_sums)
         return op(q, k, v, backend=backend, chunk_size=chunk_size, config=config, **kw)
 
-    call.__name__ = f"{op.__name__}_{'shared_walk' if shared else 'den_pass' if den_pass else 'layers'}"
+    kind = 'shared_walk' if shared else 'den_pass' if den_pass else 'outer_sums' if outer_sums else 'layers'
+    call.__name__ = f"{op.__name__}_{kind}"
     return call
 
 
@@ -276,6 +279,7 @@ def checked_layers_flag(name):
 
 hla2_layers = _as_layers(hla_fast.hla2)
 hla2_den_pass = _as_layers(hla_fast.hla2, den_pass=True)
+hla2_outer_sums = _as_layers(hla_fast.hla2, outer_sums=True)
 hla3_layers = _as_layers(hla_fast.hla3)
 hla3_shared_walk = _as_layers(hla_fast.hla3, shared=True)
 
@@ -296,6 +300,8 @@ OPERATORS = [
     Operator("hla2_layers", hla2_layers, hla_fast.hla2_step, hla_fast.HLA2State, _hla2_state_shapes,
              ref_hla2, brute_hla2, naive=hla2_naive_quadratic, garbage_within_chunk=False, package="hla2"),
     Operator("hla2_den_pass", hla2_den_pass, hla_fast.hla2_step, hla_fast.HLA2State, _hla2_state_shapes,
+             ref_hla2, brute_hla2, naive=hla2_naive_quadratic, garbage_within_chunk=False, package="hla2"),
+    Operator("hla2_outer_sums", hla2_outer_sums, hla_fast.hla2_step, hla_fast.HLA2State, _hla2_state_shapes,
              ref_hla2, brute_hla2, naive=hla2_naive_quadratic, garbage_within_chunk=False, package="hla2"),
     Operator("ahla", hla_fast.ahla, hla_fast.ahla_step, hla_fast.AHLAState,
              lambda B, H, K, V, norm: {"P": (B, H, K, V), "E": (B, H, K, V), "p": (B, H, K) if norm else None,

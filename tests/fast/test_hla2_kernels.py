@@ -917,3 +917,84 @@ def test_compile_report_lists_the_shared_memory_tiles():
         assert sum(tiles[stages].values()) > 0
     assert not any(s.startswith(("1x", "2x")) for s in tiles[1]), tiles[1]
     assert tiles[2].get("2x64x64 bf16", 0) >= 3, tiles[2]
+
+
+@pytest.mark.parametrize("T,K,V,segments,block_v", [(1, 8, 8, 3, 16), (37, 12, 20, 3, 16), (70, 24, 8, 2, 16),
+                                                     (101, 16, 12, 4, 32)])
+@pytest.mark.parametrize("decay", ["none", "gamma", "g"])
+@pytest.mark.parametrize("rate,with_z", [(2, False), (2, True), (3, False)])
+def test_outer_sums_are_the_next_layers_summaries(T, K, V, segments, block_v, decay, rate, with_z, device, poison):
+    """``fwd_outer_sums``: the inner layer's walk K' = LA(Q, K, K) also forms the next layer's
+    segment summaries, with K' (as stored) as its keys and v as its values at ``rate`` times the
+    decay: W_s = sum_{j in s} exp(c (b_end - b_j)) k'_j v_j^T, z_s the same on a column of ones and
+    c (b_end - b_start), for every segment but the last, against those sums; a value block of K'
+    narrower than K (K = 24 in blocks of 16) stores its rows of W_s. K' itself is the walk's without
+    the summaries, bit for bit."""
+    ahla_chunk = importlib.import_module("hla_fast.ops.ahla.chunk")
+    B, H = 2, 3
+    q, k, v = rand_qkv(B, T, H, K, V, seed=T + K, device=device)
+    g = rand_gates(B, T, H, seed=K, device=device) if decay == "g" else None
+    cfg = ChunkConfig(fwd_chunk=16, bwd_chunk=16, fwd_segments=segments, fwd_block_v=block_v, grad_parts=(7,),
+                      layers=True, fwd_outer_sums=True)
+    gamma = 0.9 if decay == "gamma" else None
+    sums = ahla_chunk.next_layer_sums(v, K, cfg, with_z)
+    NS, nseg = launch.split_segments(-(-T // 16), segments)
+    if nseg == 1:   # one segment: no fold, no summaries
+        assert sums is None
+        return
+    kp, _, _ = ahla_chunk.layer_fwd(q, k, k, g, gamma, None, cfg, next_layer=(v, rate, sums))
+    alone, _, _ = ahla_chunk.layer_fwd(q, k, k, g, gamma, None, cfg)
+    assert torch.equal(kp, alone)
+    _, b = den_pass_decay(decay, g, B, T, H)                                          # [B, T, H]
+    kp64, v64 = kp.double().cpu(), v.double().cpu()
+    b0 = torch.cat([torch.zeros(B, 1, H, dtype=torch.float64), b], 1)                 # b before token t: b0[:, t]
+    for s in range(nseg - 1):
+        a, e = s * NS * 16, min((s + 1) * NS * 16, T)
+        w = torch.exp(rate * (b[:, e - 1:e] - b[:, a:e]))                             # [B, e - a, H]
+        want_w = torch.einsum("bjh,bjhk,bjhv->bhkv", w, kp64[:, a:e], v64[:, a:e]).reshape(B * H, K, V)
+        got = sums["sum_p"].view(B * H, nseg - 1, K, V)[:, s]
+        assert rel(got, want_w) < TOL, s
+        want_lr = (rate * (b[:, e - 1] - b0[:, a])).reshape(B * H)
+        assert torch.allclose(sums["sum_lr"].view(B * H, nseg - 1)[:, s].double().cpu(), want_lr, rtol=TOL, atol=TOL)
+        if with_z:
+            want_z = torch.einsum("bjh,bjhk->bhk", w, kp64[:, a:e]).reshape(B * H, K)
+            assert rel(sums["sum_pn"].view(B * H, nseg - 1, K)[:, s], want_z) < TOL, s
+        else:
+            assert sums["sum_pn"] is None
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("op,normalize,den_pass", [("hla2", False, False), ("hla2", True, False),
+                                                   ("hla2", True, True), ("hla3", False, False)])
+def test_outer_sums_change_no_result(op, normalize, den_pass, gated, device, poison):
+    """With ``fwd_outer_sums`` the outer layer folds the summaries its inner walk formed instead of
+    its own summary pass: outputs, final states and every gradient (dg too) as without, in three
+    segments (hla3: its second stage's layers at rate 2; normalized only hla2, with and without the
+    denominator's passes; on |q| and |k|)."""
+    q, k, v = rand_qkv(1, 70, 2, 12, 8, seed=21, scale=0.5, device=device)
+    if normalize:   # on |q| and |k|: a denominator that stays away from 0
+        q, k = q.abs(), k.abs()
+    g = rand_gates(1, 70, 2, seed=22, strength=0.1, device=device) if gated else None
+    fn = getattr(hla_fast, op)
+    base = ChunkConfig(fwd_chunk=16, bwd_chunk=16, fwd_segments=3, grad_parts=(7,), layers=True,
+                       **({"fwd_den_pass": den_pass, "bwd_den_pass": den_pass} if op == "hla2" else {}))
+
+    def run(cfg):
+        ins = [x.detach().clone().requires_grad_() for x in (q, k, v) + ((g,) if gated else ())]
+        o, state = fn(*ins[:3], g=ins[3] if gated else None, gamma=None if gated else 0.9, backend="triton",
+                      config=cfg, output_final_state=True, **({"normalize": True} if normalize else {}))
+        (o.sin().sum() + sum(s.square().sum() for s in state if s is not None)).backward()
+        return [o, *(s for s in state if s is not None), *(x.grad for x in ins)]
+
+    for a, b in zip(run(base.replace(fwd_outer_sums=True)), run(base)):
+        assert rel(a, b) < TOL
+
+
+def test_outer_sums_config_is_checked(device):
+    """config.fwd_outer_sums: a bool that needs layers (so AHLA, which refuses layers, refuses it);
+    hla3 takes it for its second stage (its first, one layer, runs without)."""
+    layers, outer = checked_layers_flag("fwd_outer_sums")
+    q, k, v = rand_qkv(1, 21, 2, 8, 8, seed=3, device=device)
+    with pytest.raises(ValueError, match="config.layers must be False for ahla"):
+        hla_fast.ahla(q, k, v, gamma=0.9, backend="triton", config=outer)
+    assert importlib.import_module("hla_fast.ops.hla3.chunk").stage_configs(outer)[0].fwd_outer_sums is False

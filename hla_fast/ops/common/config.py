@@ -109,6 +109,11 @@ class ChunkConfig:
         denominator's state at every chunk's end from passes of their own (the same two passes run
         from the last chunk, ``common/denominator.py``); its state-gradient walk then carries dW
         alone. Needs ``layers``; changes nothing unnormalized. HLA2 only.
+    fwd_outer_sums: with ``layers`` and forward walks of more than one segment, the inner layer's
+        walk also forms the outer layer's segment summaries from the K' it computes (and the values
+        V, which it reads for them), so that the outer layer folds them without a summary pass of
+        its own (``ahla_fwd_kernel``'s OUT_SUMS). Needs ``layers``. HLA2, and HLA3's second stage
+        where its first-order layers do not share a walk.
     """
 
     fwd_chunk: int = 64
@@ -135,6 +140,7 @@ class ChunkConfig:
     fwd_shared_walk: bool = False
     fwd_den_pass: bool = False
     bwd_den_pass: bool = False
+    fwd_outer_sums: bool = False
 
     def __post_init__(self):
         for name, choices in _CHOICES.items():
@@ -162,7 +168,7 @@ class ChunkConfig:
         if sorted(b for m in parts for b in (1, 2, 4) if m & b) != [1, 2, 4]:
             raise ValueError(f"config.grad_parts must cover dq (1), dk (2) and dv (4) once each, got {parts!r}")
         for name in ("save_states", "bf16_snapshots", "fwd_prefetch", "bwd_prefetch", "bwd_layers", "fwd_output_pass",
-                     "fwd_two_walks", "layers", "fwd_shared_walk", "fwd_den_pass", "bwd_den_pass"):
+                     "fwd_two_walks", "layers", "fwd_shared_walk", "fwd_den_pass", "bwd_den_pass", "fwd_outer_sums"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"config.{name} must be True or False, got {getattr(self, name)!r}")
         rb = self.fwd_row_blocks
@@ -180,6 +186,9 @@ class ChunkConfig:
             if getattr(self, name) and not self.layers:
                 raise ValueError(f"config.{name} needs config.layers (it is how hla2's outer first-order layer forms "
                                  f"its denominator), got layers=False")
+        if self.fwd_outer_sums and not self.layers:
+            raise ValueError("config.fwd_outer_sums needs config.layers (the inner first-order layer's walk forms the "
+                             "outer layer's summaries), got layers=False")
         if self.fwd_shared_walk and not self.layers:
             raise ValueError("config.fwd_shared_walk needs config.layers (it runs two of hla3's first-order layers in "
                              "one walk), got layers=False")
