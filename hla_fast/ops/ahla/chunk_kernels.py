@@ -99,7 +99,8 @@ the keys of a second first-order layer O = LA(Q, R, V_out; c g) (HLA2's and thir
 R = K', c = 2 or 3), that layer's summary of a segment from a zero state is
 W_s = sum_j exp(c (b_end - b_j)) r_j v_out_j^T, chunk by chunk W <- gC^c W + (diag(gl^c) R)^T V_out:
 the walk has each chunk's R in registers, so it forms W_s (and z_s = the same on a column of ones,
-OUT_NORM) as it goes and the next layer skips its summary pass, which would read R and V_out again.
+OUT_NORM) as it goes and the next layer skips its summary pass, which would read R and V_out again
+(the walk reads V_out in every segment but the last, whose summary no fold reads).
 It forms W_s^T = V_out^T (diag(gl^c) R) from V_out^T loaded as its transpose, so that R enters the
 product as computed (not transposed), and stores it transposed.
 
@@ -379,6 +380,8 @@ def ahla_fwd_kernel(
     log_rho = 0.0
 
     end = tl.minimum(hi * BT, T)                       # first token past the segment
+    # OUT_SUMS reads no values in the last segment, whose summary no fold reads (it forms zeros there)
+    end_o = tl.where(i_n < NSEG - 1, end, 0)
     n_q, n_kt, n_v = _first_loads(q, k, v, off_k, off_v, lo * BT + rt, lo * BT + rt < end, rk, mk, rv, mv, H, K, V,
                                   True, PREFETCH)
     n_v2 = _first_values2(v2, off_v2, lo * BT + rt, lo * BT + rt < end, rv2, mv2, H, V2, HAS_V2, PREFETCH)
@@ -393,7 +396,7 @@ def ahla_fwd_kernel(
         b_v2, n_v2 = _step_values2(v2, n_v2, off_v2, t, mt, t + BT, t + BT < end, rv2, mv2, H, V2, IS_BF16, HAS_V2,
                                    PREFETCH)
         if OUT_SUMS:   # read here, used after the chunk's first products: their time covers its latency
-            b_vot = load_cols(v_out + off_vo, t, mt, rvo, mvo, H * VO, IS_BF16)          # V_out^T [BVO, BT]
+            b_vot = load_cols(v_out + off_vo, t, t < end_o, rvo, mvo, H * VO, IS_BF16)  # V_out^T [BVO, BT]
         G, g1, g2, gl, gC, bL, n_beta, n_bL = walk_factors(
             gc, off_gc, n_beta, n_bL, i_c * BT, i_c * BT + BT, lo * BT, hi * BT, log_gamma, mt, BT, HAS_G, HAS_DECAY,
             SUMS_AHEAD)
