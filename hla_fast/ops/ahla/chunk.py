@@ -62,7 +62,7 @@ from ..common.gates import log_gamma, log_gate_grad, summed_shares
 from ..common.normalize import ONES_ALIGN, normalized_output_grad, with_column
 from ..common.launch import (
     backward_pieces, bf16_dots, cdiv, dot_precision, fp32_tiles, min_key_block, min_value_block, one_wave_segments,
-    pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
+    pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, summary_segments, tile_chunk, value_block,
 )
 from .chunk_kernels import (
     ahla_bwd_dh_kernel, ahla_bwd_fold_kernel, ahla_bwd_grad_kernel, ahla_bwd_layer_kernel, ahla_bwd_state_kernel,
@@ -259,13 +259,13 @@ def _common(q, gamma, g):
 
 def forward_layout(cfg: ChunkConfig) -> dict:
     """:func:`fwd_launch`'s layout keywords for the forward walks of ``cfg``: chunk, warps, block_v,
-    segments, prefetch and stages."""
+    segments, summary_split, prefetch and stages."""
     return dict(chunk=cfg.fwd_chunk, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v, segments=cfg.fwd_segments,
-                prefetch=cfg.fwd_prefetch, stages=cfg.fwd_stages)
+                summary_split=cfg.fwd_summary_split, prefetch=cfg.fwd_prefetch, stages=cfg.fwd_stages)
 
 
-def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, *, chunk, warps, block_v, segments=1, prefetch=False,
-               stages=1, outputs=True, normalize=False, eps=0.0, store_final=True, snapshots=None, keep_r=False,
+def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, *, chunk, warps, block_v, segments=1, summary_split=1,
+               prefetch=False, stages=1, outputs=True, normalize=False, eps=0.0, store_final=True, snapshots=None, keep_r=False,
                second=True, v2=None, p20=None, qp=None, den_in=None, out_dtype=None, next_layer=None, summaries=None,
                launch=launch_kernel):
     """Run the forward walk (after the segment summaries and fold when ``segments > 1``).
@@ -275,6 +275,7 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, *, chunk, warps, block_v, segment
     it). outputs: compute o (else only states). normalize (with second=False): carry p and divide
     by (den + eps); AHLA's normalized operator is two unnormalized walks instead (:func:`ahla_fwd`).
     snapshots: None, or the dtype to store every chunk-start state (P, E) in.
+    summary_split: the segment summaries are of pieces that many times shorter (``ChunkConfig.fwd_summary_split``).
     prefetch: the walks load each next chunk's tiles ahead (``ChunkConfig.fwd_prefetch``).
     stages: the compiler pipelines the walks' loads this deep (``ChunkConfig.fwd_stages``).
     keep_r: with snapshots, also keep the first order's output R [B, T, H, V] (v's dtype) for the
@@ -324,7 +325,7 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, *, chunk, warps, block_v, segment
     BV = value_block(V, block_v if v2 is None else pow2_block(V), dev)
     BV2 = value_block(V2, pow2_block(V2), dev) if V2 else 16   # (16: an unused placeholder tile)
     NV, NT = cdiv(V, BV), cdiv(T, chunk)
-    NS, nseg = split_segments(NT, segments)
+    NS, nseg, NSP = summary_segments(NT, segments, summary_split)
     flags, lg = _common(q, gamma, g)
     kw = dict(H=H, K=K, V=V, BT=chunk, BK=BK, BV=BV, num_warps=warps, num_stages=stages, **flags)
     # walks whose loads the compiler does not pipeline read each next chunk's gate sums a step ahead
@@ -347,20 +348,21 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, *, chunk, warps, block_v, segment
         def kvec(n=nseg):
             return torch.empty(BH * n, K, device=dev, dtype=f32) if normalize else None
 
-        ns = nseg - 1
+        ns, split = (nseg - 1) * summary_split, summary_split   # the pieces' summaries before the last segment
         if summaries is None:
             sums = dict(sum_p=kv(n=ns), sum_e=kv(n=ns) if second else None, sum_pn=kvec(ns),
                         sum_r=kv(K, ns) if second else None,
                         sum_lr=torch.empty(BH * ns, device=dev, dtype=f32))
             sum_p2 = kv(V2, ns) if V2 else None
             launch(ahla_fwd_summary_kernel, (NV, ns, BH), q=q, k=k, v=v, gc=gc, v2=v2, sum_p2=sum_p2, **sums,
-                   log_gamma=lg, T=T, NS=NS, **walk)
-        else:   # formed by the walk that computed this layer's keys (next_layer there)
+                   log_gamma=lg, T=T, NS=NSP, **walk)
+        else:   # formed by the walk that computed this layer's keys (next_layer there): one a segment
+            ns, split = nseg - 1, 1
             if (summaries["sum_pn"] is None) == normalize or summaries["sum_p"].shape != (BH * ns, K, V):
                 raise ValueError("summaries do not match this walk's segments, widths or normalization")
             sums = dict(summaries, sum_e=None, sum_r=None)
         seg = (kv(), kv() if second else None, kvec())
-        fold = dict(NSEG=nseg, K=K, BK=BK, PREC=flags["PREC"], num_warps=warps)
+        fold = dict(NSUM=ns, SPLIT=split, K=K, BK=BK, PREC=flags["PREC"], num_warps=warps)
         launch(ahla_fwd_fold_kernel, (NV, BH),
             **sums, h0_p=p0, h0_e=e0, h0_pn=pn0, seg_p=seg[0], seg_e=seg[1], seg_pn=seg[2], V=V, BV=BV, **fold)
         h0 = seg
@@ -585,7 +587,7 @@ def next_layer_sums(v_out, width: int, cfg: ChunkConfig, normalize: bool):
     VO], sum_pn fp32 [.., width] (normalize: the next layer carries z) or None, sum_lr fp32
     [B*H*(NSEG-1)]); None where the layout walks one segment (no summaries)."""
     B, T, H, VO = v_out.shape
-    nseg = split_segments(cdiv(T, cfg.fwd_chunk), cfg.fwd_segments)[1]
+    nseg = summary_segments(cdiv(T, cfg.fwd_chunk), cfg.fwd_segments, cfg.fwd_summary_split)[1]
     if nseg == 1:
         return None
     n, dev, f32 = B * H * (nseg - 1), v_out.device, torch.float32

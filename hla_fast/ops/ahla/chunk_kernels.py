@@ -68,7 +68,9 @@ So ``ahla_fwd_summary_kernel`` computes the segments' (P_s, E_s, R_s, log rho) i
 
 and the segments then walk at once. No start state follows the last segment, so its summary is not
 computed: with NSEG segments the summaries are those of the first NSEG - 1 (the walk of the last
-segment gives the final state). The backward walk is split the same way with the transposed map: an
+segment gives the final state). The summaries may be of shorter pieces, SPLIT to a segment
+(``ChunkConfig.fwd_summary_split``: more programs for the same reads); the fold then stores the
+state before every SPLIT-th piece. The backward walk is split the same way with the transposed map: an
 end gradient (dP, dE) reaches the segment's start as rho (dP + R_s^T dE) and rho dE
 (``ahla_bwd_summary_kernel``, ``ahla_bwd_fold_kernel``), and there the first segment's summary is
 the one no fold reads.
@@ -584,15 +586,18 @@ def ahla_fwd_fold_kernel(
     sum_p, sum_e, sum_pn, sum_r, sum_lr,  # segment summaries (ahla_fwd_summary_kernel)
     h0_p, h0_e, h0_pn,                   # state before the sequence [B*H, ..] or None
     seg_p, seg_e, seg_pn,                # out: state at each segment's start [B*H*NSEG, ..]
-    NSEG,
+    NSUM,                                # summaries per head: SPLIT for each segment but the last
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PREC: tl.constexpr, HAS_INIT: tl.constexpr, NORM: tl.constexpr, HAS_E: tl.constexpr,
+    SPLIT: tl.constexpr,                 # summaries a segment (``ChunkConfig.fwd_summary_split``)
 ):
     """Fold the segment summaries in order (the combine of ``hla_ref.ahla_combine``): with
     rho = exp(log rho),  E <- rho E + rho R_seg P + E_seg,  P <- rho P + P_seg  (E only with
-    HAS_E; p as P with NORM, a first layer alone). Stores the start state of each of the NSEG
-    segments; the summaries are the first NSEG - 1 segments' ([B*H, NSEG - 1, ..],
-    ``ahla_fwd_summary_kernel``)."""
+    HAS_E; p as P with NORM, a first layer alone). The summaries ([B*H, NSUM, ..],
+    ``ahla_fwd_summary_kernel``) are of pieces SPLIT to a segment, over every segment but the last
+    (NSEG = NSUM / SPLIT + 1); the fold stores the state where each segment starts, before every
+    SPLIT-th piece and after the last."""
+    NSEG = NSUM // SPLIT + 1
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     rk = tl.arange(0, BK)
     rv = i_v * BV + tl.arange(0, BV)
@@ -605,10 +610,11 @@ def ahla_fwd_fold_kernel(
         pn = vec_or_zeros(h0_pn, i_bh.to(tl.int64) * K, rk, mk, BK, HAS_INIT)
     else:
         pn = 0.0
-    for i_s in range(0, NSEG - 1):
-        _store_start(seg_p, seg_e, seg_pn, i_bh.to(tl.int64) * NSEG + i_s, P, E, pn, i_v, rk, mk, rv, mv, K, V,
-                     NORM, HAS_E)
-        i_sm = i_bh.to(tl.int64) * (NSEG - 1) + i_s          # segment i_s's summary
+    for i_s in range(0, NSUM):
+        if i_s % SPLIT == 0:   # a segment starts here
+            _store_start(seg_p, seg_e, seg_pn, i_bh.to(tl.int64) * NSEG + i_s // SPLIT, P, E, pn, i_v, rk, mk, rv,
+                         mv, K, V, NORM, HAS_E)
+        i_sm = i_bh.to(tl.int64) * NSUM + i_s                # piece i_s's summary
         rho = tl.exp(tl.load(sum_lr + i_sm))
         if HAS_E:
             b_r = load_mat(sum_r + i_sm * K * K, rk, mk, rk, mk, K)

@@ -114,6 +114,11 @@ class ChunkConfig:
         V, which it reads for them), so that the outer layer folds them without a summary pass of
         its own (``ahla_fwd_kernel``'s OUT_SUMS). Needs ``layers``. HLA2, and HLA3's second stage
         where its first-order layers do not share a walk.
+    fwd_summary_split: the forward's segment summaries (AHLA's first-order walks: ``ahla``, ``hla3``'s
+        first stage, the layers) are formed over pieces this many times shorter than the walk's
+        segments, in that many times more programs, and folded into the segments' start states; the
+        walk's segments are then whole numbers of those pieces (``common.launch.summary_segments``).
+        1: a summary a segment. Refused by HLA2's fused kernels.
     """
 
     fwd_chunk: int = 64
@@ -141,13 +146,14 @@ class ChunkConfig:
     fwd_den_pass: bool = False
     bwd_den_pass: bool = False
     fwd_outer_sums: bool = False
+    fwd_summary_split: int = 1
 
     def __post_init__(self):
         for name, choices in _CHOICES.items():
             x = getattr(self, name)
             if type(x) is not int or x not in choices:
                 raise ValueError(f"config.{name} must be one of {choices}, got {x!r}")
-        for name in ("fwd_segments", "bwd_segments", "bwd_pieces"):
+        for name in ("fwd_segments", "bwd_segments", "bwd_pieces", "fwd_summary_split"):
             x = getattr(self, name)
             if isinstance(x, bool) or not isinstance(x, int) or x < 1:
                 raise ValueError(f"config.{name} must be an int >= 1, got {x!r}")
@@ -248,11 +254,14 @@ def refuse_den_pass(cfg: ChunkConfig, op: str) -> None:
 
 def refuse_ahla_fields(cfg: ChunkConfig, op: str) -> None:
     """Refuse the fields only AHLA's kernels take for another operator: ``fwd_prefetch`` /
-    ``bwd_prefetch`` (its walks do not load ahead) and ``bwd_layers`` (its backward is not two
-    first-order ones)."""
+    ``bwd_prefetch`` (its walks do not load ahead), ``bwd_layers`` (its backward is not two
+    first-order ones) and ``fwd_summary_split`` (its segment summaries are its own kernels')."""
     if cfg.fwd_prefetch or cfg.bwd_prefetch:
         raise ValueError(f"config.fwd_prefetch and config.bwd_prefetch must be False for {op} (its walks do not load "
                          f"ahead; ahla's do), got {cfg.fwd_prefetch} and {cfg.bwd_prefetch}")
     if cfg.bwd_layers:
         raise ValueError(f"config.bwd_layers must be False for {op} (its backward is not two first-order layers; "
                          f"ahla's is), got True")
+    if cfg.fwd_summary_split != 1:
+        raise ValueError(f"config.fwd_summary_split must be 1 for {op} (its forward's segment summaries are its own "
+                         f"kernels'; ahla's first-order walks split theirs), got {cfg.fwd_summary_split}")
