@@ -694,8 +694,8 @@ def test_summaries_only_where_a_fold_reads_them(segments, v2):
     (grid, args), = by_name["ahla_fwd_summary_kernel"]
     assert grid[1] == segments - 1
     assert args["sum_p"].shape[0] == args["sum_lr"].shape[0] == B * H * (segments - 1)
-    for grid, args in by_name["ahla_fwd_fold_kernel"]:            # P's (and P2's) fold
-        assert args["NSEG"] == segments and args["seg_p"].shape[0] == B * H * segments
+    for grid, args in by_name["ahla_fwd_fold_kernel"]:            # P's (and P2's) fold, a summary a segment
+        assert (args["NSUM"], args["SPLIT"]) == (segments - 1, 1) and args["seg_p"].shape[0] == B * H * segments
         assert args["sum_p"].shape[0] == B * H * (segments - 1)
     assert len(by_name["ahla_fwd_fold_kernel"]) == (2 if v2 else 1)
     (grid, args), = by_name["ahla_fwd_kernel"]
