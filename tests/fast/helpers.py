@@ -277,6 +277,17 @@ def checked_layers_flag(name):
     return layers, layers.replace(**{name: True})
 
 
+def _ahla_layered_backward(q, k, v, *, backend=None, chunk_size=None, config=None, **kw):
+    """``hla_fast.ahla`` with its triton backward run as two first-order layers
+    (``ChunkConfig.bwd_layers``, the rule's for bf16 training of 128-wide key tiles; a normalized
+    call adds its denominator's part into the numerator's dq, dk) in chunks of ``chunk_size``
+    (64 when None), whatever the rule would take; as ``_as_layers`` otherwise."""
+    if backend == "triton" and config is None and chunk_size in (None, 16, 32, 64, 128):
+        c = chunk_size or 64
+        config = hla_fast.ChunkConfig(fwd_chunk=c, bwd_chunk=c, bwd_layers=True)
+    return hla_fast.ahla(q, k, v, backend=backend, chunk_size=chunk_size, config=config, **kw)
+
+
 hla2_layers = _as_layers(hla_fast.hla2)
 hla2_den_pass = _as_layers(hla_fast.hla2, den_pass=True)
 hla2_outer_sums = _as_layers(hla_fast.hla2, outer_sums=True)
@@ -286,6 +297,10 @@ hla3_shared_walk = _as_layers(hla_fast.hla3, shared=True)
 
 def _hla2_state_shapes(B, H, K, V, norm):
     return {"S": (B, H, K, K), "W": (B, H, K, V), "z": (B, H, K) if norm else None}
+
+
+def _ahla_state_shapes(B, H, K, V, norm):
+    return {"P": (B, H, K, V), "E": (B, H, K, V), "p": (B, H, K) if norm else None, "e": (B, H, K) if norm else None}
 
 
 def _hla3_state_shapes(B, H, K, V, norm):
@@ -303,11 +318,12 @@ OPERATORS = [
              ref_hla2, brute_hla2, naive=hla2_naive_quadratic, garbage_within_chunk=False, package="hla2"),
     Operator("hla2_outer_sums", hla2_outer_sums, hla_fast.hla2_step, hla_fast.HLA2State, _hla2_state_shapes,
              ref_hla2, brute_hla2, naive=hla2_naive_quadratic, garbage_within_chunk=False, package="hla2"),
-    Operator("ahla", hla_fast.ahla, hla_fast.ahla_step, hla_fast.AHLAState,
-             lambda B, H, K, V, norm: {"P": (B, H, K, V), "E": (B, H, K, V), "p": (B, H, K) if norm else None,
-                                       "e": (B, H, K) if norm else None},
+    Operator("ahla", hla_fast.ahla, hla_fast.ahla_step, hla_fast.AHLAState, _ahla_state_shapes,
              ref_ahla, brute_ahla, norm_fields=frozenset({"p", "e"}), naive=ahla_naive_quadratic,
              garbage_within_chunk=False),
+    Operator("ahla_layers", _ahla_layered_backward, hla_fast.ahla_step, hla_fast.AHLAState, _ahla_state_shapes,
+             ref_ahla, brute_ahla, norm_fields=frozenset({"p", "e"}), naive=ahla_naive_quadratic,
+             garbage_within_chunk=False, package="ahla"),
     Operator("hla3", hla_fast.hla3, hla_fast.hla3_step, hla_fast.HLA3State, _hla3_state_shapes,
              ref_hla3, brute_hla3, norm_fields=frozenset({"p", "f"}), naive=hla3_naive_quadratic,
              garbage_within_chunk=False),

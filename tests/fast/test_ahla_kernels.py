@@ -326,6 +326,42 @@ def test_layered_backward(save_states, normalize, device, poison):
         assert rel(a, b) < (1e-4 if i == 3 else TOL), i
 
 
+def test_layered_normalized_backward_adds_in_place(device, poison):
+    """A normalized call on the layered backward adds its denominator's part into the numerator's
+    fp32 dq, dk (one pair of [B, T, H, K] fp32 buffers for the four layers' kernels, each after the
+    first taking the sums so far as dq_in, dk_in) and forms dL/db once, in the last kernel, from the
+    sums (it is linear in them); the gradients are those of the float64 path (with gates, so that
+    db is checked through dg). ``bwd_launch`` refuses dq_in, dk_in without the layered backward,
+    whose coupled gradient kernel has nowhere to add them."""
+    from hla_fast.ops.common.compile import launch_kernel
+
+    q, k, v, g = _inputs(device, T=37, seed=23, positive=True)
+    cfg = _cfg(prefetch=False).replace(bwd_layers=True)
+    seen = []
+
+    def launch(kernel, grid, **kw):
+        if kernel is chunk.ahla_bwd_layer_kernel:
+            seen.append({a: None if kw[a] is None else (kw[a].data_ptr(), kw[a].dtype) for a in ("dq", "dq_in", "db")})
+        launch_kernel(kernel, grid, **kw)
+
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g)]
+    o = chunk.ahla_chunked(*leaves, None, None, None, None, None, True, 1e-6, config=cfg, launch=launch)[0]
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(24)).to(device)
+    got = torch.autograd.grad((o * do).sum(), leaves)
+    assert len(seen) == 4
+    assert len({s["dq"] for s in seen}) == 1 and seen[0]["dq"][1] == torch.float32
+    assert seen[0]["dq_in"] is None and all(s["dq_in"] == s["dq"] for s in seen[1:])
+    assert [s["db"] is not None for s in seen] == [False, False, False, True]
+    o64, want = _grads64(q, k, v, g, do, normalize=True)
+    assert rel(o, o64) < TOL
+    for name, a, b in zip(["dq", "dk", "dv", "dg"], got, want):
+        assert rel(a, b) < (1e-4 if name == "dg" else TOL), name
+    coupled = _cfg(prefetch=False)
+    buf = torch.empty_like(q, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"dq_in, dk_in: only the layered backward \(config.bwd_layers\)"):
+        chunk.bwd_launch(q, k, v, v, None, 0.9, None, None, None, None, coupled, dq_in=buf, dk_in=buf)
+
+
 def test_config_rule_and_wide_segments_refused(device):
     cfg = chunk.ahla_config(2, 4096, 4, 64, 64, torch.bfloat16, torch.device(device), 64)
     assert cfg.fwd_chunk == 64 and cfg.save_states

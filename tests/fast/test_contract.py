@@ -298,7 +298,9 @@ def test_fp16_normalized_gradients_at_large_denominators(op, device, poison):
     3.2e-3 off and HLA2's 1.3e-3; kept in fp32, what is left is fp16's rounding of the stored o
     and gradients (at most 9e-4 here). HLA3's d reaches 5.8e7, past fp16's largest number: HLA3
     divides in torch, and the operator on [v | 1] before it stores num and den in fp32 for fp16
-    inputs (``normalize.quotient_values``; in fp16 the output was not finite)."""
+    inputs (``normalize.quotient_values``; in fp16 the output was not finite). AHLA's layered
+    backward (``ahla_layers``) keeps the first-order output R in fp32 for fp16 inputs
+    (``ahla.chunk.kept_r_dtype``): kept in fp16 it put dq 1.06e-3 off."""
     B, T, H, K, V = 1, 64, 2, 32, 16
     q, k, v = (x.half().float() for x in rand_qkv(B, T, H, K, V, seed=24, positive=True, scale=1.0))
     gen = torch.Generator().manual_seed(27)

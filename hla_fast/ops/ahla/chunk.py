@@ -278,8 +278,8 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, *, chunk, warps, block_v, segment
     summary_split: the segment summaries are of pieces that many times shorter (``ChunkConfig.fwd_summary_split``).
     prefetch: the walks load each next chunk's tiles ahead (``ChunkConfig.fwd_prefetch``).
     stages: the compiler pipelines the walks' loads this deep (``ChunkConfig.fwd_stages``).
-    keep_r: with snapshots, also keep the first order's output R [B, T, H, V] (v's dtype) for the
-    layered backward. second=False: the first layer alone (:func:`layer_fwd`): o is R, and E, its
+    keep_r: with snapshots, also keep the first order's output R [B, T, H, V] (``kept_r_dtype``) for
+    the layered backward. second=False: the first layer alone (:func:`layer_fwd`): o is R, and E, its
     snapshots and the summaries' R moment are neither computed nor returned (None); normalized, R is
     divided by its own denominator (den) and the snapshots (with ``snapshots``) include p's
     (:func:`normalized_layer_fwd`).
@@ -382,7 +382,7 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, *, chunk, warps, block_v, segment
     if snapshots is not None:
         cs = (torch.empty(BH, NT, K, V, device=dev, dtype=snapshots),
               torch.empty(BH, NT, K, V, device=dev, dtype=snapshots) if second else None,
-              torch.empty_like(v) if (keep_r and second) else None,
+              torch.empty_like(v, dtype=kept_r_dtype(v.dtype)) if (keep_r and second) else None,
               torch.empty(BH, NT, K, device=dev, dtype=f32) if normalize else None)
     r = None if cs is None else cs[2]
     if not second:   # the first layer's output R is what this call returns
@@ -410,8 +410,19 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, *, chunk, warps, block_v, segment
     return o if second else r, den, ht[0], ht[1], ht[2], cs, (out2 if v2 is not None else None)
 
 
+def kept_r_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of the first-order output R that a forward keeps for the layered backward
+    (``ChunkConfig.bwd_layers``), for inputs of ``dtype``: fp32 where the kernels' tiles are
+    (``fp32_tiles``: fp16 and fp32 inputs), so that the backward reads R as the coupled backward
+    forms it, else the inputs' (bf16, which the dots round R to anyway). Kept in fp16, R put a
+    normalized fp16 call's dq 1.06e-3 off float64 against the coupled backward's 9.0e-4
+    (``test_fp16_normalized_gradients_at_large_denominators``); its gradient dR, stored in R's
+    dtype, follows it."""
+    return torch.float32 if fp32_tiles(dtype) else dtype
+
+
 def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *, states=None, want_db=False,
-               grad_dtype=None, launch=launch_kernel):
+               grad_dtype=None, dq_in=None, dk_in=None, launch=launch_kernel):
     """Gradients of the unnormalized operator.
 
     q, k: [B, T, H, K]; v, do: [B, T, H, V]; g: [B, T, H], its GateSums or None; p0, e0: fp32 initial state
@@ -419,7 +430,12 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
     states: what a forward with chunk ``cfg.bwd_chunk`` kept, (cs_p, cs_e, R or None) (R with
     ``cfg.bwd_layers``), or None to recompute them. want_db: also return dL/db [B, T, H] fp32
     (without the final state's share). grad_dtype: dq's and dk's dtype (None: the inputs').
+    dq_in, dk_in (``cfg.bwd_layers`` only): gradients of another part of the call, to which this
+    one's dq, dk are added in place (they are the dq, dk returned; want_db then gives the sums'
+    dL/db, :func:`_bwd_layers`).
     Returns dq, dk (grad_dtype), dv (v's dtype), dP0, dE0 (fp32, None without p0), db (or None)."""
+    if (dq_in is not None or dk_in is not None) and not cfg.bwd_layers:
+        raise ValueError("dq_in, dk_in: only the layered backward (config.bwd_layers) adds into given gradients")
     B, T, H, K = q.shape
     V = v.shape[-1]
     BH, dev, f32 = B * H, q.device, torch.float32
@@ -434,7 +450,8 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
                             keep_r=cfg.bwd_layers, launch=launch, **layout)[5]
     do = do.contiguous()
     if cfg.bwd_layers:
-        return _bwd_layers(q, k, v, do, g, gamma, p0, dht_p, dht_e, cfg, states, want_db, grad_dtype, launch)
+        return _bwd_layers(q, k, v, do, g, gamma, p0, dht_p, dht_e, cfg, states, want_db, grad_dtype, launch,
+                           dq_in, dk_in)
     cs_p, cs_e = states[:2]
     flags, lg = _common(q, gamma, g)
     common = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, num_warps=nw, num_stages=cfg.bwd_stages, **flags)
@@ -490,15 +507,18 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
     return dq, dk, dv, dh0[0], dh0[1], summed_shares(db)
 
 
-def _bwd_layers(q, k, v, do, g, gamma, p0, dht_p, dht_e, cfg: ChunkConfig, states, want_db, grad_dtype, launch):
+def _bwd_layers(q, k, v, do, g, gamma, p0, dht_p, dht_e, cfg: ChunkConfig, states, want_db, grad_dtype, launch,
+                dq_in=None, dk_in=None):
     """``bwd_launch`` as two first-order backwards (``ChunkConfig.bwd_layers``; the kernels'
     module docstring): the outer layer O = LA(Q, K, R) with state E, then the inner R = LA(Q, K, V)
     with state P (:func:`layer_bwd` each). The outer's gives dR, the inner's output gradient; its
-    dq, dk wait in dq, dk (in their dtype) for the inner's to be added, and db comes with the sums.
+    dq, dk wait in dq, dk (in their dtype) for the inner's to be added, and db comes with the sums
+    (dL/db is linear in dq and dk, ``ahla_bwd_layer_kernel``'s DB_OWN). Given dq_in, dk_in the
+    outer's are added to those in place, so that dq, dk, db are the sums with them too.
     states: (cs_p, cs_e, R) at chunk ``cfg.bwd_chunk``. Returns as ``bwd_launch``."""
     cs_p, cs_e, r = states[:3]
-    dr, dq, dk, dE0, _ = layer_bwd(q, k, r, do, g, gamma, cs_e, dht_e, p0 is not None, cfg, grad_dtype=grad_dtype,
-                                   launch=launch)
+    dr, dq, dk, dE0, _ = layer_bwd(q, k, r, do, g, gamma, cs_e, dht_e, p0 is not None, cfg, dq_in=dq_in,
+                                   dk_in=dk_in, grad_dtype=grad_dtype, launch=launch)
     dv, dq, dk, dP0, db = layer_bwd(q, k, v, dr, g, gamma, cs_p, dht_p, p0 is not None, cfg, dq_in=dq, dk_in=dk,
                                     want_db=want_db, db_own=False, launch=launch)
     return dq, dk, dv, dP0, dE0, db
@@ -697,10 +717,16 @@ def ahla_bwd(q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, r
     if normalize:
         # o = num / (den + eps): the gradients of num (do / d) and of den (dd = -(do . o) / d)
         do, dd = normalized_output_grad(do, o, den, eps, launch=launch)
-    grad_dtype = torch.float32 if normalize else None   # the two parts' dq, dk are summed in fp32
+    # dq, dk wait for the rest of their sums in fp32: a normalized call's two parts, and on fp32
+    # tiles (fp16 inputs) the layered backward's two layers, whose sums give dL/db (in fp16 the
+    # outer layer's rounded share put a call's dg 1.1e-3 off float64, against 1.5e-4 coupled)
+    grad_dtype = torch.float32 if normalize or (cfg.bwd_layers and fp32_tiles(q.dtype)) else None
+    # the layered backward adds the denominator's part into the numerator's fp32 dq, dk in place
+    # (two [B, T, H, K] fp32 tensors fewer at once); its dL/db then comes with the sums, once
+    in_place = normalize and cfg.bwd_layers
     states = None if cs_p is None else (cs_p, cs_e, r)
     dq, dk, dv, dP0, dE0, db = bwd_launch(q, k, v, do, g, gamma, p0, e0, dPT, dET, cfg, states=states,
-                                          want_db=want_dg, grad_dtype=grad_dtype, launch=launch)
+                                          want_db=want_dg and not in_place, grad_dtype=grad_dtype, launch=launch)
     dp0 = de0 = None
     if normalize:
         # the denominator's part: the operator on [1 | 0 ...] from (p0, e0), with gradient [dd | 0 ...]
@@ -709,13 +735,18 @@ def ahla_bwd(q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, r
         dd = _column(dd, do)
         dp1, de1 = (None if x is None else _column(x, dq) for x in (dpT, deT))   # fp32, as dq here
         kept1 = None if kept1[0] is None else kept1
+        acc = dict(dq_in=dq, dk_in=dk) if in_place else {}
         dq1, dk1, _, dp0, de0, db1 = bwd_launch(q, k, ones, dd, g, gamma, p1, e1, dp1, de1, cfg, states=kept1,
-                                                want_db=want_dg, grad_dtype=grad_dtype, launch=launch)
-        dq, dk = (dq + dq1).to(q.dtype), (dk + dk1).to(k.dtype)
+                                                want_db=want_dg, grad_dtype=grad_dtype, launch=launch, **acc)
+        if in_place:   # dq1, dk1 are dq, dk, now the sums; db1 the sums' dL/db
+            dq, dk, db = dq1, dk1, db1
+        else:
+            dq, dk = dq + dq1, dk + dk1
+            if db is not None:
+                db += db1
         if dp0 is not None:
             dp0, de0 = dp0[..., 0].contiguous(), de0[..., 0].contiguous()
-        if db is not None:
-            db += db1
+    dq, dk = dq.to(q.dtype), dk.to(k.dtype)
     dg = None
     if want_dg:
         # the final state carries the factor exp(b_T) (P_T and E_T alike, p_T and e_T too): its share of dL/db_T
