@@ -156,6 +156,9 @@ def load(name):
                                            "compile_hla2_bf16_k64_layers_normalize_outer_sums_triton36_cpu"),
                                           ("compile_report",
                                            "compile_hla2_bf16_k64_layers_fwd_normalize_outer_sums_triton36_cpu"),
+                                          ("cpu_peak", "ahla_cpu_peak_k128_normalized"),
+                                          ("cpu_peak", "ahla_cpu_peak_k128_plain"),
+                                          ("cpu_peak", "ahla_cpu_peak_k64_normalized"),
                                           ("profile_kernels", "kernels_hla2_h100_k64_train"),
                                           ("profile_kernels", "kernels_hla2_h100_k64_forward")])
 def test_recorded_markdown_is_rendered_from_its_json(script, stem):
@@ -311,6 +314,41 @@ def test_ab_revision_imports_an_earlier_package_beside_this_one(tmp_path):
     a, _ = old.ahla(q, q, q, gamma=0.9, backend="torch")
     b, _ = hla_fast.ahla(q, q, q, gamma=0.9, backend="torch")
     assert torch.equal(a, b)
+
+
+def test_cpu_peak_counts_what_is_held_at_once():
+    """cpu_peak.peak_bytes: the most a function holds allocated at once beyond what existed: an
+    operand, a sum's temporary and its result alive together, not what is allocated after one is
+    freed, nor the input it reads."""
+    peak = load("cpu_peak").peak_bytes
+    x = torch.ones(10_000)
+
+    def fn():
+        a = torch.empty(1000)
+        b = torch.empty(3000) + x[:3000]   # the temporary lives until the sum is formed
+        del a
+        c = torch.empty(2000)
+        return b, c
+
+    assert peak(fn) == 4 * (1000 + 3000 + 3000)
+
+
+def test_cpu_peak_compares_two_revisions_without_running_a_kernel(tmp_path):
+    """cpu_peak.py on HEAD against this tree (the same code here) counts the same peak for both,
+    at least the gradients the call returns, and renders its record."""
+    if subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    out = tmp_path / "peak"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "cpu_peak.py"), "--rev", "HEAD",
+                          "--op", "ahla", "--B", "1", "--T", "100", "--H", "2", "--K", "16", "--V", "8",
+                          "--normalize", "--out", str(out)], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    res = json.loads((tmp_path / "peak.json").read_text())
+    first, second = res["rows"]
+    assert first["peak_bytes"] == second["peak_bytes"] >= 100 * 2 * (16 + 16 + 8) * 2   # dq, dk, dv (bf16)
+    assert "bwd_layers=False" in second["config"] and res["unit_bytes"] == 100 * 2 * 16 * 4
+    assert (tmp_path / "peak.md").read_text() == load("cpu_peak").render_markdown(res)
 
 
 def test_ab_revision_alternates_which_code_runs_first():
