@@ -326,21 +326,23 @@ def test_layered_backward(save_states, normalize, device, poison):
         assert rel(a, b) < (1e-4 if i == 3 else TOL), i
 
 
-def test_layered_normalized_backward_adds_in_place(device, poison):
-    """A normalized call on the layered backward adds its denominator's part into the numerator's
-    fp32 dq, dk (one pair of [B, T, H, K] fp32 buffers for the four layers' kernels, each after the
-    first taking the sums so far as dq_in, dk_in) and forms dL/db once, in the last kernel, from the
-    sums (it is linear in them); the gradients are those of the float64 path (with gates, so that
-    db is checked through dg). ``bwd_launch`` refuses dq_in, dk_in without the layered backward,
-    whose coupled gradient kernel has nowhere to add them."""
+@pytest.mark.parametrize("layered", [False, True])
+def test_normalized_backward_adds_in_place(layered, device, poison):
+    """A normalized call's backward adds its denominator's part into the numerator's fp32 dq, dk:
+    one pair of [B, T, H, K] fp32 buffers for every gradient kernel, each after the first taking
+    the sums so far as dq_in (the coupled backward's two launches, the layered backward's four
+    layer kernels). dL/db: the coupled kernels' own shares, added on the host; the layered one's
+    once, in the last kernel, from the sums (it is linear in them). The gradients are the float64
+    path's (with gates, so that db is checked through dg)."""
     from hla_fast.ops.common.compile import launch_kernel
 
     q, k, v, g = _inputs(device, T=37, seed=23, positive=True)
-    cfg = _cfg(prefetch=False).replace(bwd_layers=True)
+    cfg = _cfg(prefetch=False).replace(bwd_layers=layered)
+    grad_kernel = chunk.ahla_bwd_layer_kernel if layered else chunk.ahla_bwd_grad_kernel
     seen = []
 
     def launch(kernel, grid, **kw):
-        if kernel is chunk.ahla_bwd_layer_kernel:
+        if kernel is grad_kernel:
             seen.append({a: None if kw[a] is None else (kw[a].data_ptr(), kw[a].dtype) for a in ("dq", "dq_in", "db")})
         launch_kernel(kernel, grid, **kw)
 
@@ -348,18 +350,14 @@ def test_layered_normalized_backward_adds_in_place(device, poison):
     o = chunk.ahla_chunked(*leaves, None, None, None, None, None, True, 1e-6, config=cfg, launch=launch)[0]
     do = torch.randn(o.shape, generator=torch.Generator().manual_seed(24)).to(device)
     got = torch.autograd.grad((o * do).sum(), leaves)
-    assert len(seen) == 4
+    assert len(seen) == (4 if layered else 2)
     assert len({s["dq"] for s in seen}) == 1 and seen[0]["dq"][1] == torch.float32
     assert seen[0]["dq_in"] is None and all(s["dq_in"] == s["dq"] for s in seen[1:])
-    assert [s["db"] is not None for s in seen] == [False, False, False, True]
+    assert [s["db"] is not None for s in seen] == ([False, False, False, True] if layered else [True, True])
     o64, want = _grads64(q, k, v, g, do, normalize=True)
     assert rel(o, o64) < TOL
     for name, a, b in zip(["dq", "dk", "dv", "dg"], got, want):
         assert rel(a, b) < (1e-4 if name == "dg" else TOL), name
-    coupled = _cfg(prefetch=False)
-    buf = torch.empty_like(q, dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"dq_in, dk_in: only the layered backward \(config.bwd_layers\)"):
-        chunk.bwd_launch(q, k, v, v, None, 0.9, None, None, None, None, coupled, dq_in=buf, dk_in=buf)
 
 
 def test_config_rule_and_wide_segments_refused(device):
@@ -477,7 +475,9 @@ for K, V, dtype, normalize, ones in json.loads(sys.argv[1]):
     if layer:
         consts.update(HAS_DQ_IN=True, HAS_DK_IN=True, DB_OWN=False, DX_TO_DK=False, NORM=ones)
     else:
-        consts.update(KEYS_PER_BLOCK=chunk.grad_keys_per_block(launch.cdiv(Vn, BV), BK, dtype))
+        # a normalized call's denominator part adds into the numerator's dq, dk (ahla_bwd)
+        consts.update(HAS_DQ_IN=normalize, HAS_DK_IN=normalize,
+                      KEYS_PER_BLOCK=chunk.grad_keys_per_block(launch.cdiv(Vn, BV), BK, dtype))
     shared = 0
     for parts in [None] if layer else cfg.grad_parts:   # every launch of the per-chunk gradients
         if parts is not None:

@@ -430,12 +430,10 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
     states: what a forward with chunk ``cfg.bwd_chunk`` kept, (cs_p, cs_e, R or None) (R with
     ``cfg.bwd_layers``), or None to recompute them. want_db: also return dL/db [B, T, H] fp32
     (without the final state's share). grad_dtype: dq's and dk's dtype (None: the inputs').
-    dq_in, dk_in (``cfg.bwd_layers`` only): gradients of another part of the call, to which this
-    one's dq, dk are added in place (they are the dq, dk returned; want_db then gives the sums'
-    dL/db, :func:`_bwd_layers`).
+    dq_in, dk_in: gradients of another part of the call (grad_dtype), to which this one's dq, dk
+    are added in place (they are the dq, dk returned); want_db then gives the sums' dL/db with
+    ``cfg.bwd_layers`` (:func:`_bwd_layers`), this part's own otherwise (``ahla_bwd_grad_kernel``).
     Returns dq, dk (grad_dtype), dv (v's dtype), dP0, dE0 (fp32, None without p0), db (or None)."""
-    if (dq_in is not None or dk_in is not None) and not cfg.bwd_layers:
-        raise ValueError("dq_in, dk_in: only the layered backward (config.bwd_layers) adds into given gradients")
     B, T, H, K = q.shape
     V = v.shape[-1]
     BH, dev, f32 = B * H, q.device, torch.float32
@@ -484,7 +482,8 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
     dst = _dstate_dtype(snap, BK)
     dp_end = torch.empty(BH, NP, K, V, device=dev, dtype=dst)
     de_end = torch.empty(BH, NP, K, V, device=dev, dtype=dst)
-    dq, dk = (torch.empty_like(x, dtype=grad_dtype) for x in (q, k))
+    dq = torch.empty_like(q, dtype=grad_dtype) if dq_in is None else dq_in
+    dk = torch.empty_like(k, dtype=grad_dtype) if dk_in is None else dk_in
     dv = torch.empty_like(v)
     db = torch.empty(len(cfg.grad_parts), B, T, H, device=dev, dtype=f32) if want_db else None
 
@@ -499,7 +498,8 @@ def bwd_launch(q, k, v, do, g, gamma, p0, e0, dht_p, dht_e, cfg: ChunkConfig, *,
             PREFETCH=cfg.bwd_prefetch, **common)
         for i, parts in enumerate(cfg.grad_parts):
             launch(ahla_bwd_grad_kernel, (n, BH),
-                q=q, k=k, v=v, do=do, gc=gc, dq=dq, dk=dk, dv=dv, db=None if db is None else db[i], cs_p=cs_p,
+                q=q, k=k, v=v, do=do, gc=gc, dq=dq, dk=dk, dv=dv, dq_in=dq_in, dk_in=dk_in,
+                db=None if db is None else db[i], cs_p=cs_p,
                 cs_e=cs_e, dp_end=dp_end, de_end=de_end, log_gamma=lg, T=T, C0=c0, NP=NP, PARTS=parts,
                 KEYS_PER_BLOCK=grad_keys_per_block(NV, BK, q.dtype), **common)
 
@@ -721,12 +721,12 @@ def ahla_bwd(q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, r
     # tiles (fp16 inputs) the layered backward's two layers, whose sums give dL/db (in fp16 the
     # outer layer's rounded share put a call's dg 1.1e-3 off float64, against 1.5e-4 coupled)
     grad_dtype = torch.float32 if normalize or (cfg.bwd_layers and fp32_tiles(q.dtype)) else None
-    # the layered backward adds the denominator's part into the numerator's fp32 dq, dk in place
-    # (two [B, T, H, K] fp32 tensors fewer at once); its dL/db then comes with the sums, once
-    in_place = normalize and cfg.bwd_layers
+    # the denominator's part adds into the numerator's fp32 dq, dk in place (two [B, T, H, K] fp32
+    # tensors fewer at once); the layered backward's dL/db then comes with the sums, once
+    sums_db = normalize and cfg.bwd_layers
     states = None if cs_p is None else (cs_p, cs_e, r)
     dq, dk, dv, dP0, dE0, db = bwd_launch(q, k, v, do, g, gamma, p0, e0, dPT, dET, cfg, states=states,
-                                          want_db=want_dg and not in_place, grad_dtype=grad_dtype, launch=launch)
+                                          want_db=want_dg and not sums_db, grad_dtype=grad_dtype, launch=launch)
     dp0 = de0 = None
     if normalize:
         # the denominator's part: the operator on [1 | 0 ...] from (p0, e0), with gradient [dd | 0 ...]
@@ -735,15 +735,13 @@ def ahla_bwd(q, k, v, g, p0, e0, pn0, en0, o, den, PT, ET, pT, eT, cs_p, cs_e, r
         dd = _column(dd, do)
         dp1, de1 = (None if x is None else _column(x, dq) for x in (dpT, deT))   # fp32, as dq here
         kept1 = None if kept1[0] is None else kept1
-        acc = dict(dq_in=dq, dk_in=dk) if in_place else {}
-        dq1, dk1, _, dp0, de0, db1 = bwd_launch(q, k, ones, dd, g, gamma, p1, e1, dp1, de1, cfg, states=kept1,
-                                                want_db=want_dg, grad_dtype=grad_dtype, launch=launch, **acc)
-        if in_place:   # dq1, dk1 are dq, dk, now the sums; db1 the sums' dL/db
-            dq, dk, db = dq1, dk1, db1
-        else:
-            dq, dk = dq + dq1, dk + dk1
-            if db is not None:
-                db += db1
+        dq, dk, _, dp0, de0, db1 = bwd_launch(q, k, ones, dd, g, gamma, p1, e1, dp1, de1, cfg, states=kept1,
+                                              want_db=want_dg, grad_dtype=grad_dtype, dq_in=dq, dk_in=dk,
+                                              launch=launch)
+        if sums_db:   # the sums' dL/db
+            db = db1
+        elif db is not None:   # the two parts' own
+            db += db1
         if dp0 is not None:
             dp0, de0 = dp0[..., 0].contiguous(), de0[..., 0].contiguous()
     dq, dk = dq.to(q.dtype), dk.to(k.dtype)

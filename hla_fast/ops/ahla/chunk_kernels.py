@@ -868,11 +868,14 @@ def _chunk_key_tiles(q, k, gc, off_k, off_gc, log_gamma, c0, t, mt, rk, mk,
 @triton.heuristics({
     "HAS_G": lambda a: a["gc"] is not None,
     "HAS_DB": lambda a: a["db"] is not None,
+    "HAS_DQ_IN": lambda a: a["dq_in"] is not None,
+    "HAS_DK_IN": lambda a: a["dk_in"] is not None,
 })
 @triton.jit(do_not_specialize=["C0", "NP"])
 def ahla_bwd_grad_kernel(
     q, k, v, do, gc,         # inputs as in the forward (gc: the gate sums at this BT, or None); do: [B, T, H, V]
     dq, dk, dv,              # out: gradients, same shapes and dtypes as q, k, v
+    dq_in, dk_in,            # another part's dq, dk to add before storing (may be dq, dk themselves); each or None
     db,                      # out: dL/db_t without the final state's share, fp32 [B, T, H]; or None
     cs_p, cs_e,              # chunk-start snapshots [B*H, NT, K, V] (P0, E0)
     dp_end, de_end,          # chunk-end state gradients (ahla_bwd_state_kernel) [B*H, NP, K, V]: chunk C0 + i at i
@@ -881,7 +884,8 @@ def ahla_bwd_grad_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DECAY: tl.constexpr, IS_BF16: tl.constexpr, PREC: tl.constexpr,
-    HAS_G: tl.constexpr, HAS_DB: tl.constexpr, KEYS_PER_BLOCK: tl.constexpr = False,
+    HAS_G: tl.constexpr, HAS_DB: tl.constexpr, HAS_DQ_IN: tl.constexpr, HAS_DK_IN: tl.constexpr,
+    KEYS_PER_BLOCK: tl.constexpr = False,
     PARTS: tl.constexpr = 7,  # which gradients this launch stores: bit 1 dq, 2 dk, 4 dv
 ):
     """One program per (chunk, batch*head): every chunk is independent here. The value columns are
@@ -899,7 +903,9 @@ def ahla_bwd_grad_kernel(
     live one block long (at the cost of two more [BT, BT] dots and the reloads per block).
 
     db: this launch's share of dL/db_s = q_s.dq_s - k_s.dk_s (module docstring, gate gradient):
-    the shares of the launches are summed on the host."""
+    the shares of the launches are summed on the host. dq_in, dk_in (HAS_DQ_IN, HAS_DK_IN): another
+    part's gradients, added to what is stored (a normalized call's denominator part adds into its
+    numerator part's, ``ahla_bwd``); db stays this launch's own share."""
     i_c, i_bh = C0 + tl.program_id(0), tl.program_id(1)
     NT = tl.cdiv(T, BT)
     off_k, off_v, off_g = _head_offsets(i_bh, T, H, K, V)
@@ -953,12 +959,19 @@ def ahla_bwd_grad_kernel(
             b_q = load_rows(q + off_k, t, mt, rk, mk, H * K, IS_BF16)
             b_k = load_rows(k + off_k, t, mt, rk, mk, H * K, IS_BF16)
     b_db = tl.zeros([BT], dtype=tl.float32)
+    p_k = off_k + t[:, None] * (H * K) + rk[None, :]
     if PARTS & 1:
-        tl.store(dq + off_k + t[:, None] * (H * K) + rk[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
+        b_dqs = b_dq
+        if HAS_DQ_IN:   # the stored sum; db below takes this launch's own dq
+            b_dqs = b_dq + tl.load(dq_in + p_k, mask=m_tk, other=0.0).to(tl.float32)
+        tl.store(dq + p_k, b_dqs.to(dq.dtype.element_ty), mask=m_tk)
         if HAS_DB:
             b_db += tl.sum(b_q.to(tl.float32) * b_dq, axis=1)
     if PARTS & 2:
-        tl.store(dk + off_k + t[:, None] * (H * K) + rk[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
+        b_dks = b_dk
+        if HAS_DK_IN:
+            b_dks = b_dk + tl.load(dk_in + p_k, mask=m_tk, other=0.0).to(tl.float32)
+        tl.store(dk + p_k, b_dks.to(dk.dtype.element_ty), mask=m_tk)
         if HAS_DB:
             b_db -= tl.sum(b_k.to(tl.float32) * b_dk, axis=1)
     if HAS_DB:
