@@ -334,8 +334,9 @@ def test_cpu_peak_counts_what_is_held_at_once():
 
 
 def test_cpu_peak_compares_two_revisions_without_running_a_kernel(tmp_path):
-    """cpu_peak.py on HEAD against this tree (the same code here) counts the same peak for both,
-    at least the gradients the call returns, and renders its record."""
+    """cpu_peak.py on HEAD against this tree counts at least the gradients the call returns for
+    both, the same peak where the package has no uncommitted change (the same code), and renders
+    its record."""
     if subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode != 0:
         pytest.skip("not a git checkout")
     out = tmp_path / "peak"
@@ -346,7 +347,9 @@ def test_cpu_peak_compares_two_revisions_without_running_a_kernel(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     res = json.loads((tmp_path / "peak.json").read_text())
     first, second = res["rows"]
-    assert first["peak_bytes"] == second["peak_bytes"] >= 100 * 2 * (16 + 16 + 8) * 2   # dq, dk, dv (bf16)
+    assert min(first["peak_bytes"], second["peak_bytes"]) >= 100 * 2 * (16 + 16 + 8) * 2   # dq, dk, dv (bf16)
+    if subprocess.run(["git", "-C", ROOT, "diff", "--quiet", "HEAD", "--", "hla_fast"]).returncode == 0:
+        assert first["peak_bytes"] == second["peak_bytes"]
     assert "bwd_layers=False" in second["config"] and res["unit_bytes"] == 100 * 2 * 16 * 4
     assert (tmp_path / "peak.md").read_text() == load("cpu_peak").render_markdown(res)
 
