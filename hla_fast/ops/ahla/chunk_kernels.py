@@ -124,8 +124,8 @@ import triton.language as tl
 
 from ..common.tiles import (
     cast, chunk_decays_t, decays_with_total, dot, first_walk_sums, head_row, ipow, load_cols, load_mat, load_mat_t,
-    load_rows, load_vec, mat_or_zeros, read_cols, read_rows, store_mat, summed_beta, sums_offset, vec_or_zeros,
-    walk_factors,
+    load_rows, load_vec, mat_or_zeros, plus_stored, read_cols, read_rows, store_mat, summed_beta, sums_offset,
+    vec_or_zeros, walk_factors,
 )
 
 
@@ -960,18 +960,12 @@ def ahla_bwd_grad_kernel(
             b_k = load_rows(k + off_k, t, mt, rk, mk, H * K, IS_BF16)
     b_db = tl.zeros([BT], dtype=tl.float32)
     p_k = off_k + t[:, None] * (H * K) + rk[None, :]
-    if PARTS & 1:
-        b_dqs = b_dq
-        if HAS_DQ_IN:   # the stored sum; db below takes this launch's own dq
-            b_dqs = b_dq + tl.load(dq_in + p_k, mask=m_tk, other=0.0).to(tl.float32)
-        tl.store(dq + p_k, b_dqs.to(dq.dtype.element_ty), mask=m_tk)
+    if PARTS & 1:   # the stored sum; db below takes this launch's own dq
+        tl.store(dq + p_k, plus_stored(b_dq, dq_in, p_k, m_tk, HAS_DQ_IN).to(dq.dtype.element_ty), mask=m_tk)
         if HAS_DB:
             b_db += tl.sum(b_q.to(tl.float32) * b_dq, axis=1)
     if PARTS & 2:
-        b_dks = b_dk
-        if HAS_DK_IN:
-            b_dks = b_dk + tl.load(dk_in + p_k, mask=m_tk, other=0.0).to(tl.float32)
-        tl.store(dk + p_k, b_dks.to(dk.dtype.element_ty), mask=m_tk)
+        tl.store(dk + p_k, plus_stored(b_dk, dk_in, p_k, m_tk, HAS_DK_IN).to(dk.dtype.element_ty), mask=m_tk)
         if HAS_DB:
             b_db -= tl.sum(b_k.to(tl.float32) * b_dk, axis=1)
     if HAS_DB:
@@ -1175,10 +1169,8 @@ def ahla_bwd_layer_kernel(
     m_tk = mt[:, None] & mk[None, :]
     if HAS_DB and DB_OWN:        # this layer's share, before the other layer's dq, dk are added
         _store_layer_db(db, off_g, t, mt, b_q, b_dq, b_k, b_dk, H)
-    if HAS_DQ_IN:
-        b_dq += tl.load(dq_in + p_k, mask=m_tk, other=0.0).to(tl.float32)
-    if HAS_DK_IN:
-        b_dk += tl.load(dk_in + p_k, mask=m_tk, other=0.0).to(tl.float32)
+    b_dq = plus_stored(b_dq, dq_in, p_k, m_tk, HAS_DQ_IN)
+    b_dk = plus_stored(b_dk, dk_in, p_k, m_tk, HAS_DK_IN)
     if DX_TO_DK:                 # dX [BT, V = K], as stored above
         tl.debug_barrier()
         b_dk += tl.load(dx + p_k, mask=m_tk, other=0.0).to(tl.float32)

@@ -103,6 +103,16 @@ def vec_or_zeros(base, off, ri, mi, BI: tl.constexpr, LOAD: tl.constexpr):
     return x
 
 
+@triton.jit
+def plus_stored(x, base, off, mask, LOAD: tl.constexpr):
+    """x + the tile stored at ``base + off`` (fp32, 0 where ``mask`` is off) when LOAD, else x itself
+    (``base`` may then be None): a gradient that another part of the call stored before, added to
+    this part's (AHLA's ``dq_in``, ``dk_in``)."""
+    if LOAD:
+        x = x + tl.load(base + off, mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
 # ============================================================================ decode steps
 # One token updates each state block by a rank-one term; these helpers are the pieces every step
 # kernel (``ops/*/decode.py``) shares.
