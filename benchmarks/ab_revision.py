@@ -112,15 +112,15 @@ def summarize(label, times):
             "fwdbwd_peak_extra_mb": max(mb), "fwd_ms_rounds": fwd, "fwdbwd_ms_rounds": fb}
 
 
-def rule_config(op, q, v, changes, training, gated=False, normalize=False):
+def rule_config(op, q, v, changes, training, gated=False, normalize=False, package="hla_fast"):
     """The configuration ``op``'s call on inputs shaped as q [B, T, H, K] and v [.., V] asks its
     rule for (autograd recording it or not: ``training``; with log-gates: ``gated``; normalized),
     changed by ``changes``. hla3: the pair (first stage's rule, second stage's changed:
     ``hla3.chunk.stage_rules``), so that a change times the second stage's layout alone (its
     kernels see V + 1 values when normalized); a second stage changed into (or kept as) layers is
     passed alone, setting both stages as the rule's pair does then (and as ``fwd_shared_walk``
-    needs)."""
-    import hla_fast
+    needs). package: the hla_fast whose rule is asked (an earlier revision's, ``extract``)."""
+    hla_fast = importlib.import_module(package)
 
     B, T, H, K = q.shape
     V = v.shape[-1] + (normalize and op == "hla3")
@@ -129,7 +129,7 @@ def rule_config(op, q, v, changes, training, gated=False, normalize=False):
         return hla_fast.ahla_config(*shape, training=training).replace(**changes)
     if op == "hla2":
         return hla_fast.hla2_config(*shape, gated=gated, normalize=normalize, training=training).replace(**changes)
-    from hla_fast.ops.hla3.chunk import stage_rules
+    stage_rules = importlib.import_module(f"{package}.ops.hla3.chunk").stage_rules
     first, second = stage_rules(*shape, gated=gated, training=training, normalize=normalize)
     second = second.replace(**changes)
     return second if second.layers else (first, second)

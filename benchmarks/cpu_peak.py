@@ -39,7 +39,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))   # the scripts beside this one
-from ab_revision import extract  # noqa: E402
+from ab_revision import extract, rule_config  # noqa: E402
 from config_arg import DTYPES, HELP, config_changes  # noqa: E402
 
 
@@ -70,13 +70,9 @@ def training_call(package: str, op: str, inputs, do, normalize: bool, changes: d
     """(run, config): ``run()`` is one forward + backward of ``package``'s chunked ``op`` on fresh
     leaves sharing the storage of ``inputs`` (q, k, v, g or None) in the rule's training
     configuration changed by ``changes``, launching nothing."""
-    mod = importlib.import_module(package)
     chunk = importlib.import_module(f"{package}.ops.{op}.chunk")
     q, k, v, g = inputs
-    B, T, H, K = q.shape
-    extra = dict(gated=g is not None, normalize=normalize) if op == "hla2" else {}
-    cfg = getattr(mod, f"{op}_config")(B, T, H, K, v.shape[-1], q.dtype, q.device, training=True,
-                                       **extra).replace(**changes)
+    cfg = rule_config(op, q, v, changes, True, gated=g is not None, normalize=normalize, package=package)
     states = (None,) * (4 if op == "ahla" else 3)   # no initial state
 
     def run():

@@ -244,26 +244,32 @@ class Operator:
         return self.package or self.name
 
 
-def _as_layers(op, shared=False, den_pass=False, outer_sums=False):
-    """``op`` with its triton calls run as first-order layers (``ChunkConfig.layers``; hla3's
-    second stage; ``shared``: hla3's R and K' in one walk, ``fwd_shared_walk``; ``den_pass``: hla2's
-    normalized outer layer with its denominator and its state's gradients from passes of their own,
-    ``fwd_den_pass`` and ``bwd_den_pass``; ``outer_sums``: forward walks of three segments, the
-    outer layer's summaries formed by the inner walk, ``fwd_outer_sums``) in chunks
-    of ``chunk_size`` (DEFAULT_CHUNK, 64, when None), whatever the rule would take; other backends
-    and a bad ``chunk_size`` go to ``op`` as given (its checks name them)."""
+def _in_chunks(op, make_config, name):
+    """``op`` whose triton calls run in ``make_config(chunk)``'s layout, chunk = ``chunk_size``
+    (DEFAULT_CHUNK, 64, when None), whatever the rule would take; other backends, an explicit
+    config and a bad ``chunk_size`` go to ``op`` as given (its checks name them)."""
     def call(q, k, v, *, backend=None, chunk_size=None, config=None, **kw):
         if backend == "triton" and config is None and chunk_size in (None, 16, 32, 64, 128):
-            c = chunk_size or 64
-            config = hla_fast.ChunkConfig(fwd_chunk=c, bwd_chunk=c, grad_parts=(7,), layers=True,
-                                          fwd_shared_walk=shared, fwd_den_pass=den_pass,
-                                          bwd_den_pass=den_pass, fwd_segments=3 if outer_sums else 1,
-                                          fwd_outer_sums=outer_sums)
+            config = make_config(chunk_size or 64)
         return op(q, k, v, backend=backend, chunk_size=chunk_size, config=config, **kw)
 
-    kind = 'shared_walk' if shared else 'den_pass' if den_pass else 'outer_sums' if outer_sums else 'layers'
-    call.__name__ = f"{op.__name__}_{kind}"
+    call.__name__ = name
     return call
+
+
+def _as_layers(op, shared=False, den_pass=False, outer_sums=False):
+    """``op`` run as first-order layers (``ChunkConfig.layers``; hla3's second stage; ``shared``:
+    hla3's R and K' in one walk, ``fwd_shared_walk``; ``den_pass``: hla2's normalized outer layer
+    with its denominator and its state's gradients from passes of their own, ``fwd_den_pass`` and
+    ``bwd_den_pass``; ``outer_sums``: forward walks of three segments, the outer layer's summaries
+    formed by the inner walk, ``fwd_outer_sums``), in chunks as ``_in_chunks``'."""
+    def make(c):
+        return hla_fast.ChunkConfig(fwd_chunk=c, bwd_chunk=c, grad_parts=(7,), layers=True, fwd_shared_walk=shared,
+                                    fwd_den_pass=den_pass, bwd_den_pass=den_pass,
+                                    fwd_segments=3 if outer_sums else 1, fwd_outer_sums=outer_sums)
+
+    kind = 'shared_walk' if shared else 'den_pass' if den_pass else 'outer_sums' if outer_sums else 'layers'
+    return _in_chunks(op, make, f"{op.__name__}_{kind}")
 
 
 def checked_layers_flag(name):
@@ -277,22 +283,16 @@ def checked_layers_flag(name):
     return layers, layers.replace(**{name: True})
 
 
-def _ahla_layered_backward(q, k, v, *, backend=None, chunk_size=None, config=None, **kw):
-    """``hla_fast.ahla`` with its triton backward run as two first-order layers
-    (``ChunkConfig.bwd_layers``, the rule's for bf16 training of 128-wide key tiles; a normalized
-    call adds its denominator's part into the numerator's dq, dk) in chunks of ``chunk_size``
-    (64 when None), whatever the rule would take; as ``_as_layers`` otherwise."""
-    if backend == "triton" and config is None and chunk_size in (None, 16, 32, 64, 128):
-        c = chunk_size or 64
-        config = hla_fast.ChunkConfig(fwd_chunk=c, bwd_chunk=c, bwd_layers=True)
-    return hla_fast.ahla(q, k, v, backend=backend, chunk_size=chunk_size, config=config, **kw)
-
-
 hla2_layers = _as_layers(hla_fast.hla2)
 hla2_den_pass = _as_layers(hla_fast.hla2, den_pass=True)
 hla2_outer_sums = _as_layers(hla_fast.hla2, outer_sums=True)
 hla3_layers = _as_layers(hla_fast.hla3)
 hla3_shared_walk = _as_layers(hla_fast.hla3, shared=True)
+# AHLA's triton backward as two first-order layers (ChunkConfig.bwd_layers, the rule's for bf16
+# training of 128-wide key tiles; a normalized call adds its denominator's part into the
+# numerator's dq, dk)
+ahla_layers = _in_chunks(hla_fast.ahla, lambda c: hla_fast.ChunkConfig(fwd_chunk=c, bwd_chunk=c, bwd_layers=True),
+                         "ahla_layers")
 
 
 def _hla2_state_shapes(B, H, K, V, norm):
@@ -321,7 +321,7 @@ OPERATORS = [
     Operator("ahla", hla_fast.ahla, hla_fast.ahla_step, hla_fast.AHLAState, _ahla_state_shapes,
              ref_ahla, brute_ahla, norm_fields=frozenset({"p", "e"}), naive=ahla_naive_quadratic,
              garbage_within_chunk=False),
-    Operator("ahla_layers", _ahla_layered_backward, hla_fast.ahla_step, hla_fast.AHLAState, _ahla_state_shapes,
+    Operator("ahla_layers", ahla_layers, hla_fast.ahla_step, hla_fast.AHLAState, _ahla_state_shapes,
              ref_ahla, brute_ahla, norm_fields=frozenset({"p", "e"}), naive=ahla_naive_quadratic,
              garbage_within_chunk=False, package="ahla"),
     Operator("hla3", hla_fast.hla3, hla_fast.hla3_step, hla_fast.HLA3State, _hla3_state_shapes,
