@@ -120,8 +120,9 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     it took as long (13.42 against 13.47 ms, 14.01 against 13.88 gated) and keeps the walk carrying
     dz (``hla2_h100_ab_bwd_den_pass{,_gates}.json``; the numbers and the commands in
     hla_fast/README.md, "The configuration rule"). The inner walk forming the outer layer's
-    segment summaries (``fwd_outer_sums``) is not taken: not yet timed on a GPU. The result is
-    immutable, so it is cached."""
+    segment summaries (``fwd_outer_sums``) is not taken: slower normalized and gated, within a
+    forward timing's spread plain (``hla2_h100_ab_outer_sums{,_normalize,_no_prefetch_gates}.json``).
+    The result is immutable, so it is cached."""
     wide = K > TILE_MAX   # in key blocks (normalized on [v | 1]: no NORM walks)
     if takes_layers(T, K, V, dtype, False, training):
         width = max(b - a for a, b in key_blocks(K))
