@@ -257,18 +257,16 @@ def _in_chunks(op, make_config, name):
     return call
 
 
-def _as_layers(op, shared=False, den_pass=False, outer_sums=False):
+def _as_layers(op, shared=False, den_pass=False):
     """``op`` run as first-order layers (``ChunkConfig.layers``; hla3's second stage; ``shared``:
     hla3's R and K' in one walk, ``fwd_shared_walk``; ``den_pass``: hla2's normalized outer layer
     with its denominator and its state's gradients from passes of their own, ``fwd_den_pass`` and
-    ``bwd_den_pass``; ``outer_sums``: forward walks of three segments, the outer layer's summaries
-    formed by the inner walk, ``fwd_outer_sums``), in chunks as ``_in_chunks``'."""
+    ``bwd_den_pass``), in chunks as ``_in_chunks``'."""
     def make(c):
         return hla_fast.ChunkConfig(fwd_chunk=c, bwd_chunk=c, grad_parts=(7,), layers=True, fwd_shared_walk=shared,
-                                    fwd_den_pass=den_pass, bwd_den_pass=den_pass,
-                                    fwd_segments=3 if outer_sums else 1, fwd_outer_sums=outer_sums)
+                                    fwd_den_pass=den_pass, bwd_den_pass=den_pass)
 
-    kind = 'shared_walk' if shared else 'den_pass' if den_pass else 'outer_sums' if outer_sums else 'layers'
+    kind = 'shared_walk' if shared else 'den_pass' if den_pass else 'layers'
     return _in_chunks(op, make, f"{op.__name__}_{kind}")
 
 
@@ -285,7 +283,6 @@ def checked_layers_flag(name):
 
 hla2_layers = _as_layers(hla_fast.hla2)
 hla2_den_pass = _as_layers(hla_fast.hla2, den_pass=True)
-hla2_outer_sums = _as_layers(hla_fast.hla2, outer_sums=True)
 hla3_layers = _as_layers(hla_fast.hla3)
 hla3_shared_walk = _as_layers(hla_fast.hla3, shared=True)
 # AHLA's triton backward as two first-order layers (ChunkConfig.bwd_layers, the rule's for bf16
@@ -315,8 +312,6 @@ OPERATORS = [
     Operator("hla2_layers", hla2_layers, hla_fast.hla2_step, hla_fast.HLA2State, _hla2_state_shapes,
              ref_hla2, brute_hla2, naive=hla2_naive_quadratic, garbage_within_chunk=False, package="hla2"),
     Operator("hla2_den_pass", hla2_den_pass, hla_fast.hla2_step, hla_fast.HLA2State, _hla2_state_shapes,
-             ref_hla2, brute_hla2, naive=hla2_naive_quadratic, garbage_within_chunk=False, package="hla2"),
-    Operator("hla2_outer_sums", hla2_outer_sums, hla_fast.hla2_step, hla_fast.HLA2State, _hla2_state_shapes,
              ref_hla2, brute_hla2, naive=hla2_naive_quadratic, garbage_within_chunk=False, package="hla2"),
     Operator("ahla", hla_fast.ahla, hla_fast.ahla_step, hla_fast.AHLAState, _ahla_state_shapes,
              ref_ahla, brute_ahla, norm_fields=frozenset({"p", "e"}), naive=ahla_naive_quadratic,

@@ -730,8 +730,8 @@ def test_summaries_only_where_a_fold_reads_them(segments, v2):
     (grid, args), = by_name["ahla_fwd_summary_kernel"]
     assert grid[1] == segments - 1
     assert args["sum_p"].shape[0] == args["sum_lr"].shape[0] == B * H * (segments - 1)
-    for grid, args in by_name["ahla_fwd_fold_kernel"]:            # P's (and P2's) fold, a summary a segment
-        assert (args["NSUM"], args["SPLIT"]) == (segments - 1, 1) and args["seg_p"].shape[0] == B * H * segments
+    for grid, args in by_name["ahla_fwd_fold_kernel"]:            # P's (and P2's) fold
+        assert args["NSEG"] == segments and args["seg_p"].shape[0] == B * H * segments
         assert args["sum_p"].shape[0] == B * H * (segments - 1)
     assert len(by_name["ahla_fwd_fold_kernel"]) == (2 if v2 else 1)
     (grid, args), = by_name["ahla_fwd_kernel"]
@@ -898,78 +898,3 @@ def test_gpu_decode_continues_prefill(normalize, poison):
         y, st = hla_fast.ahla_step(q[:, t], k[:, t], v[:, t], st, g=g[:, t], normalize=normalize)
         outs.append(y[:, None])
     assert rel(torch.cat(outs, 1), want) < GPU_TOL[torch.float32]
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.integers(1, 600), st.integers(1, 9), st.integers(1, 6))
-def test_summary_segments_start_on_pieces(n_chunks, segments, split):
-    """``launch.summary_segments``: the walk's segments are whole numbers of summary pieces (each
-    starts where a piece does), none is empty, there are no more than asked, and a split of 1 is
-    ``split_segments``."""
-    per, nseg, piece = launch.summary_segments(n_chunks, segments, split)
-    assert per == piece * split and piece >= 1
-    assert 1 <= nseg <= segments and (nseg - 1) * per < n_chunks <= nseg * per
-    if split == 1:
-        assert (per, nseg) == launch.split_segments(n_chunks, segments)
-
-
-@pytest.mark.parametrize("op,extra", [("ahla", {}), ("ahla", {"normalize": True}), ("hla2", {}),
-                                      ("hla2", {"normalize": True}), ("hla2", {"outer": True}), ("hla3", {})])
-@pytest.mark.parametrize("split", [2, 3])
-def test_summary_split_changes_no_result(op, extra, split, device, poison):
-    """``fwd_summary_split``: the forward's segment summaries over pieces ``split`` times shorter,
-    folded into the segments' start states. Outputs, final states and every gradient (dg too) as
-    with a summary a segment, for AHLA, HLA2's layers (normalized, and with the outer layer's
-    summaries from the inner walk, whose fold is one a segment) and HLA3's; the summary launches
-    have (segments - 1) * split programs a head, each over its piece's chunks (recorded)."""
-    from hla_fast.ops.common.compile import Recorder
-    from hla_fast.ops.ahla.chunk_kernels import ahla_fwd_summary_kernel
-
-    normalize = extra.get("normalize", False)
-    B, T, H, K, V = 1, 150, 2, 12, 8
-    q, k, v = rand_qkv(B, T, H, K, V, seed=41, scale=0.5, device=device)
-    if normalize:   # on |q| and |k|: a denominator that stays away from 0
-        q, k = q.abs(), k.abs()
-    g = rand_gates(B, T, H, seed=42, strength=0.1, device=device)
-    base = ChunkConfig(fwd_chunk=16, bwd_chunk=16, fwd_segments=3, grad_parts=(7,), layers=op != "ahla",
-                       fwd_outer_sums=extra.get("outer", False))
-
-    def run(cfg):
-        ins = [x.detach().clone().requires_grad_() for x in (q, k, v, g)]
-        o, state = getattr(hla_fast, op)(*ins[:3], g=ins[3], backend="triton", config=cfg, output_final_state=True,
-                                         **({"normalize": True} if normalize else {}))
-        (o.sin().sum() + sum(s.square().sum() for s in state if s is not None)).backward()
-        return [o, *(s for s in state if s is not None), *(x.grad for x in ins)]
-
-    split_cfg = base.replace(fwd_summary_split=split)
-    for a, b in zip(run(split_cfg), run(base)):
-        assert rel(a, b) < TOL
-    per, nseg, piece = launch.summary_segments(-(-T // 16), 3, split)
-    rec = Recorder()
-    args = (q, k, v, g, None)
-    if op == "ahla":
-        chunk.ahla_chunked(*args, None, None, None, None, normalize, 1e-6, config=split_cfg, launch=rec)
-    elif op == "hla2":
-        importlib.import_module("hla_fast.ops.hla2.chunk").hla2_chunked(
-            *args, None, None, None, normalize, 1e-6, config=split_cfg, launch=rec)
-    else:
-        importlib.import_module("hla_fast.ops.hla3.chunk").hla3_chunked(*args, None, False, 0.0, config=split_cfg,
-                                                                         launch=rec)
-    grids = [(grid, kw["NS"]) for kernel, grid, kw in rec.launches if kernel is ahla_fwd_summary_kernel]
-    assert grids and all(grid[1] == (nseg - 1) * split and ns == piece for grid, ns in grids)
-
-
-def test_summary_split_config_is_checked(device):
-    """config.fwd_summary_split: an int >= 1 (not a bool), refused by HLA2's fused kernels and by
-    HLA3's second stage unless it runs as layers (their summaries are HLA2's own kernels')."""
-    for bad in (0, True, 2.0):
-        with pytest.raises(ValueError, match=rf"config.fwd_summary_split must be an int >= 1, got {bad!r}"):
-            ChunkConfig(fwd_summary_split=bad)
-    q, k, v = rand_qkv(1, 21, 2, 8, 8, seed=3, device=device)
-    split = ChunkConfig(fwd_chunk=16, bwd_chunk=16, fwd_summary_split=2)
-    with pytest.raises(ValueError, match="config.fwd_summary_split must be 1 for hla2 "):
-        hla_fast.hla2(q, k, v, gamma=0.9, backend="triton", config=split)
-    with pytest.raises(ValueError, match="config.fwd_summary_split must be 1 for hla3's second stage"):
-        hla_fast.hla3(q, k, v, gamma=0.9, backend="triton", config=(split, split))
-    o, _ = hla_fast.hla3(q, k, v, gamma=0.9, backend="triton", config=(split, ChunkConfig(fwd_chunk=16, bwd_chunk=16)))
-    assert torch.isfinite(o).all()

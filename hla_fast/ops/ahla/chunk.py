@@ -62,7 +62,7 @@ from ..common.gates import log_gamma, log_gate_grad, summed_shares
 from ..common.normalize import ONES_ALIGN, normalized_output_grad, with_column
 from ..common.launch import (
     backward_pieces, bf16_dots, cdiv, dot_precision, fp32_tiles, min_key_block, min_value_block, one_wave_segments,
-    pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, summary_segments, tile_chunk, value_block,
+    pow2_block, rule_pieces, run_pieces, snapshot_dtype, split_segments, tile_chunk, value_block,
 )
 from .chunk_kernels import (
     ahla_bwd_dh_kernel, ahla_bwd_fold_kernel, ahla_bwd_grad_kernel, ahla_bwd_layer_kernel, ahla_bwd_state_kernel,
@@ -259,15 +259,14 @@ def _common(q, gamma, g):
 
 def forward_layout(cfg: ChunkConfig) -> dict:
     """:func:`fwd_launch`'s layout keywords for the forward walks of ``cfg``: chunk, warps, block_v,
-    segments, summary_split, prefetch and stages."""
+    segments, prefetch and stages."""
     return dict(chunk=cfg.fwd_chunk, warps=cfg.fwd_warps, block_v=cfg.fwd_block_v, segments=cfg.fwd_segments,
-                summary_split=cfg.fwd_summary_split, prefetch=cfg.fwd_prefetch, stages=cfg.fwd_stages)
+                prefetch=cfg.fwd_prefetch, stages=cfg.fwd_stages)
 
 
-def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, *, chunk, warps, block_v, segments=1, summary_split=1,
-               prefetch=False, stages=1, outputs=True, normalize=False, eps=0.0, store_final=True, snapshots=None, keep_r=False,
-               second=True, v2=None, p20=None, qp=None, den_in=None, out_dtype=None, next_layer=None, summaries=None,
-               launch=launch_kernel):
+def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, *, chunk, warps, block_v, segments=1, prefetch=False,
+               stages=1, outputs=True, normalize=False, eps=0.0, store_final=True, snapshots=None, keep_r=False,
+               second=True, v2=None, p20=None, qp=None, den_in=None, out_dtype=None, launch=launch_kernel):
     """Run the forward walk (after the segment summaries and fold when ``segments > 1``).
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H], its GateSums or None; all contiguous. p0, e0: fp32
@@ -275,7 +274,6 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, *, chunk, warps, block_v, segment
     it). outputs: compute o (else only states). normalize (with second=False): carry p and divide
     by (den + eps); AHLA's normalized operator is two unnormalized walks instead (:func:`ahla_fwd`).
     snapshots: None, or the dtype to store every chunk-start state (P, E) in.
-    summary_split: the segment summaries are of pieces that many times shorter (``ChunkConfig.fwd_summary_split``).
     prefetch: the walks load each next chunk's tiles ahead (``ChunkConfig.fwd_prefetch``).
     stages: the compiler pipelines the walks' loads this deep (``ChunkConfig.fwd_stages``).
     keep_r: with snapshots, also keep the first order's output R [B, T, H, V] (``kept_r_dtype``) for
@@ -293,11 +291,6 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, *, chunk, warps, block_v, segment
     den_in (with second=True, unnormalized): the denominator fp32 [B, T, H] from a walk of its own;
     o is divided by (den_in + eps) (``ahla_fwd_kernel``'s DEN_IN; :func:`ahla_fwd`). out_dtype: o's
     dtype (None: v's).
-    next_layer (with second=False, unnormalized, without v2 or qp): (v_out, rate, sums) when R is the
-    keys of a next layer LA(Q, R, v_out; rate g) walked in the same layout: the walk also forms that
-    layer's segment summaries into ``sums`` (:func:`next_layer_sums`; ``ahla_fwd_kernel``'s
-    OUT_SUMS). summaries: such ``sums``, formed by the walk before: this walk folds them instead of
-    launching its summary pass.
     Returns (o [B, T, H, V] or None, den [B, T, H] fp32 or None, P_T, E_T, p_T or None,
     (cs_p, cs_e, R or None, cs_pn or None) or None, (R2, P2_T or None, cs_p2 or None) or None;
     cs_p, cs_e [B*H, NT, K, V], cs_pn fp32 [B*H, NT, K] (a normalized first layer's))."""
@@ -316,16 +309,11 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, *, chunk, warps, block_v, segment
         raise ValueError("a carried denominator (qp) is for an unnormalized first layer alone (second=False)")
     if den_in is not None and (not second or normalize or not outputs):
         raise ValueError("a denominator to divide by (den_in) is for the unnormalized outputs of both layers (second=True)")
-    if next_layer is not None and (second or normalize or v2 is not None or qp is not None):
-        raise ValueError("the next layer's summaries (next_layer) come from an unnormalized first layer alone "
-                         "(second=False) without v2 or qp")
-    if summaries is not None and (second or v2 is not None):
-        raise ValueError("summaries formed by the walk before are a first layer's alone (second=False, no v2)")
     V2 = 0 if v2 is None else v2.shape[-1]
     BV = value_block(V, block_v if v2 is None else pow2_block(V), dev)
     BV2 = value_block(V2, pow2_block(V2), dev) if V2 else 16   # (16: an unused placeholder tile)
     NV, NT = cdiv(V, BV), cdiv(T, chunk)
-    NS, nseg, NSP = summary_segments(NT, segments, summary_split)
+    NS, nseg = split_segments(NT, segments)
     flags, lg = _common(q, gamma, g)
     kw = dict(H=H, K=K, V=V, BT=chunk, BK=BK, BV=BV, num_warps=warps, num_stages=stages, **flags)
     # walks whose loads the compiler does not pipeline read each next chunk's gate sums a step ahead
@@ -348,21 +336,15 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, *, chunk, warps, block_v, segment
         def kvec(n=nseg):
             return torch.empty(BH * n, K, device=dev, dtype=f32) if normalize else None
 
-        ns, split = (nseg - 1) * summary_split, summary_split   # the pieces' summaries before the last segment
-        if summaries is None:
-            sums = dict(sum_p=kv(n=ns), sum_e=kv(n=ns) if second else None, sum_pn=kvec(ns),
-                        sum_r=kv(K, ns) if second else None,
-                        sum_lr=torch.empty(BH * ns, device=dev, dtype=f32))
-            sum_p2 = kv(V2, ns) if V2 else None
-            launch(ahla_fwd_summary_kernel, (NV, ns, BH), q=q, k=k, v=v, gc=gc, v2=v2, sum_p2=sum_p2, **sums,
-                   log_gamma=lg, T=T, NS=NSP, **walk)
-        else:   # formed by the walk that computed this layer's keys (next_layer there): one a segment
-            ns, split = nseg - 1, 1
-            if (summaries["sum_pn"] is None) == normalize or summaries["sum_p"].shape != (BH * ns, K, V):
-                raise ValueError("summaries do not match this walk's segments, widths or normalization")
-            sums = dict(summaries, sum_e=None, sum_r=None)
+        ns = nseg - 1
+        sums = dict(sum_p=kv(n=ns), sum_e=kv(n=ns) if second else None, sum_pn=kvec(ns),
+                    sum_r=kv(K, ns) if second else None,
+                    sum_lr=torch.empty(BH * ns, device=dev, dtype=f32))
+        sum_p2 = kv(V2, ns) if V2 else None
+        launch(ahla_fwd_summary_kernel, (NV, ns, BH), q=q, k=k, v=v, gc=gc, v2=v2, sum_p2=sum_p2, **sums,
+               log_gamma=lg, T=T, NS=NS, **walk)
         seg = (kv(), kv() if second else None, kvec())
-        fold = dict(NSUM=ns, SPLIT=split, K=K, BK=BK, PREC=flags["PREC"], num_warps=warps)
+        fold = dict(NSEG=nseg, K=K, BK=BK, PREC=flags["PREC"], num_warps=warps)
         launch(ahla_fwd_fold_kernel, (NV, BH),
             **sums, h0_p=p0, h0_e=e0, h0_pn=pn0, seg_p=seg[0], seg_e=seg[1], seg_pn=seg[2], V=V, BV=BV, **fold)
         h0 = seg
@@ -391,17 +373,8 @@ def fwd_launch(q, k, v, g, gamma, p0, e0, pn0, *, chunk, warps, block_v, segment
     if v2 is not None:   # R2, P2_T and P2's snapshots
         out2 = (torch.empty_like(v2), torch.empty(B, H, K, V2, device=dev, dtype=f32) if store_final else None,
                 None if cs is None else torch.empty(BH, NT, K, V2, device=dev, dtype=snapshots))
-    nxt = dict(v_out=None, sum_w=None, sum_wn=None, sum_wlr=None, VO=0, BVO=16, OUT_RATE=1)
-    if next_layer is not None and nseg > 1:
-        v_out, rate, out = next_layer
-        VO = v_out.shape[-1]
-        if out["sum_p"].shape != (BH * (nseg - 1), V, VO):
-            raise ValueError(f"next_layer's summaries are {tuple(out['sum_p'].shape)}, the walk forms "
-                             f"{(BH * (nseg - 1), V, VO)}")
-        nxt = dict(v_out=v_out, sum_w=out["sum_p"], sum_wn=out["sum_pn"], sum_wlr=out["sum_lr"], VO=VO,
-                   BVO=pow2_block(VO), OUT_RATE=rate)
     launch(ahla_fwd_kernel, (NV, nseg, BH),
-        q=q, k=k, v=v, gc=gc, o=o, den=den, qp=qp, den_in=den_in, **nxt, h0_p=h0[0], h0_e=h0[1], h0_pn=h0[2],
+        q=q, k=k, v=v, gc=gc, o=o, den=den, qp=qp, den_in=den_in, h0_p=h0[0], h0_e=h0[1], h0_pn=h0[2],
         ht_p=ht[0], ht_e=ht[1], ht_pn=ht[2],
         cs_p=None if cs is None else cs[0], cs_e=None if cs is None else cs[1], cs_pn=None if cs is None else cs[3],
         r=r,
@@ -600,62 +573,41 @@ def _layer_bwd(q, k, x, dy, g, gamma, h0, dht, want_dh0, cfg: ChunkConfig, norm,
     return dx, dq, dk, dh0, dz0, db
 
 
-def next_layer_sums(v_out, width: int, cfg: ChunkConfig, normalize: bool):
-    """Buffers for a layer's walk to form the segment summaries of the next layer, whose keys are
-    its output R ([B, T, H, width]) and whose values are v_out [B, T, H, VO] (``fwd_launch``'s
-    next_layer and summaries), in ``cfg``'s forward layout: dict(sum_p fp32 [B*H*(NSEG-1), width,
-    VO], sum_pn fp32 [.., width] (normalize: the next layer carries z) or None, sum_lr fp32
-    [B*H*(NSEG-1)]); None where the layout walks one segment (no summaries)."""
-    B, T, H, VO = v_out.shape
-    nseg = summary_segments(cdiv(T, cfg.fwd_chunk), cfg.fwd_segments, cfg.fwd_summary_split)[1]
-    if nseg == 1:
-        return None
-    n, dev, f32 = B * H * (nseg - 1), v_out.device, torch.float32
-    return dict(sum_p=torch.empty(n, width, VO, device=dev, dtype=f32),
-                sum_pn=torch.empty(n, width, device=dev, dtype=f32) if normalize else None,
-                sum_lr=torch.empty(n, device=dev, dtype=f32))
-
-
-def layer_fwd(q, k, v, g, gamma, p0, cfg: ChunkConfig, *, keep_states=False, next_layer=None, summaries=None,
-              launch=launch_kernel):
+def layer_fwd(q, k, v, g, gamma, p0, cfg: ChunkConfig, *, keep_states=False, launch=launch_kernel):
     """One first-order layer R = LA(Q, K, V) from state P0 (the forward walk without its second
     layer: ``ahla_fwd_kernel`` without HAS_E), in ``cfg``'s forward layout.
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H], its GateSums or None (contiguous); p0: fp32 [B, H, K, V]
     or None. keep_states: also the chunk-start states at chunk ``cfg.fwd_chunk`` for
-    :func:`layer_bwd` (in the snapshots' dtype). next_layer, summaries: as :func:`fwd_launch`'s (the
-    walk forms the next layer's segment summaries; this layer's were formed by the walk before).
-    Returns (R [B, T, H, V] (v's dtype), P_T fp32 [B, H, K, V], cs_p [B*H, NT, K, V] or None)."""
+    :func:`layer_bwd` (in the snapshots' dtype). Returns (R [B, T, H, V] (v's dtype), P_T fp32
+    [B, H, K, V], cs_p [B*H, NT, K, V] or None)."""
     r, _, PT, _, _, cs, _ = fwd_launch(
         q, k, v, g, gamma, p0, None, None, **forward_layout(cfg),
-        snapshots=snapshot_dtype(cfg, q.dtype) if keep_states else None, second=False, next_layer=next_layer,
-        summaries=summaries, launch=launch)
+        snapshots=snapshot_dtype(cfg, q.dtype) if keep_states else None, second=False, launch=launch)
     return r, PT, None if cs is None else cs[0]
 
 
-def normalized_layer_fwd(q, k, v, g, gamma, p0, pn0, eps, cfg: ChunkConfig, *, keep_states=False, summaries=None,
+def normalized_layer_fwd(q, k, v, g, gamma, p0, pn0, eps, cfg: ChunkConfig, *, keep_states=False,
                          launch=launch_kernel):
     """A normalized first-order layer, O = LA(Q, K, V) / (LA(Q, K, 1) + eps): the denominator is
     the layer on a column of ones, whose state is the vector p. In one walk (``ahla_fwd_kernel``
     without HAS_E and with NORM), or with ``cfg.fwd_den_pass`` from passes of its own parallel over
     chunks (``common/denominator.py``: its part from before each chunk) before a walk that carries
     no p (DIVIDE). As
-    :func:`layer_fwd` with pn0 (fp32 [B, H, K] or None: p's initial state), eps and summaries (with
-    their p's, ``sum_pn``, unless ``cfg.fwd_den_pass``); returns (O (v's dtype), den [B, T, H] fp32
-    (without eps), P_T, p_T fp32, cs_p, cs_pn ([B*H, NT, K] fp32) or None)."""
+    :func:`layer_fwd` with pn0 (fp32 [B, H, K] or None: p's initial state) and eps; returns (O (v's
+    dtype), den [B, T, H] fp32 (without eps), P_T, p_T fp32, cs_p, cs_pn ([B*H, NT, K] fp32) or
+    None)."""
     if cfg.fwd_den_pass:
         flags, lg = _common(q, gamma, g)
         qp, pT, cs_pn = carried_denominator(q, k, g, pn0, chunk=cfg.fwd_chunk, has_decay=flags["HAS_DECAY"],
                                             log_gamma=lg, launch=launch)
         o, den, PT, _, _, cs, _ = fwd_launch(
             q, k, v, g, gamma, p0, None, None, **forward_layout(cfg), eps=eps, qp=qp,
-            snapshots=snapshot_dtype(cfg, q.dtype) if keep_states else None, second=False, summaries=summaries,
-            launch=launch)
+            snapshots=snapshot_dtype(cfg, q.dtype) if keep_states else None, second=False, launch=launch)
         return o, den, PT, pT, None if cs is None else cs[0], cs_pn if keep_states else None
     o, den, PT, _, pT, cs, _ = fwd_launch(
         q, k, v, g, gamma, p0, None, pn0, **forward_layout(cfg), normalize=True, eps=eps,
-        snapshots=snapshot_dtype(cfg, q.dtype) if keep_states else None, second=False, summaries=summaries,
-        launch=launch)
+        snapshots=snapshot_dtype(cfg, q.dtype) if keep_states else None, second=False, launch=launch)
     return (o, den, PT, pT) + ((None, None) if cs is None else (cs[0], cs[3]))
 
 

@@ -68,9 +68,7 @@ So ``ahla_fwd_summary_kernel`` computes the segments' (P_s, E_s, R_s, log rho) i
 
 and the segments then walk at once. No start state follows the last segment, so its summary is not
 computed: with NSEG segments the summaries are those of the first NSEG - 1 (the walk of the last
-segment gives the final state). The summaries may be of shorter pieces, SPLIT to a segment
-(``ChunkConfig.fwd_summary_split``: more programs for the same reads); the fold then stores the
-state before every SPLIT-th piece. The backward walk is split the same way with the transposed map: an
+segment gives the final state). The backward walk is split the same way with the transposed map: an
 end gradient (dP, dE) reaches the segment's start as rho (dP + R_s^T dE) and rho dE
 (``ahla_bwd_summary_kernel``, ``ahla_bwd_fold_kernel``), and there the first segment's summary is
 the one no fold reads.
@@ -96,16 +94,6 @@ tiles of Q and K and its A: the walk then carries a second state P2 = sum_j exp(
 P2 <- gC P2_0 + Kg^T V2 being E's lines with V2 in R's place; the segment summaries carry P2 too and
 the fold runs once more on them (P2 folds as P does).
 
-The next layer's segment summaries (OUT_SUMS, the first layer alone). When this walk's output R is
-the keys of a second first-order layer O = LA(Q, R, V_out; c g) (HLA2's and third order's layers:
-R = K', c = 2 or 3), that layer's summary of a segment from a zero state is
-W_s = sum_j exp(c (b_end - b_j)) r_j v_out_j^T, chunk by chunk W <- gC^c W + (diag(gl^c) R)^T V_out:
-the walk has each chunk's R in registers, so it forms W_s (and z_s = the same on a column of ones,
-OUT_NORM) as it goes and the next layer skips its summary pass, which would read R and V_out again
-(the walk reads V_out in every segment but the last, whose summary no fold reads).
-It forms W_s^T = V_out^T (diag(gl^c) R) from V_out^T loaded as its transpose, so that R enters the
-product as computed (not transposed), and stores it transposed.
-
 Gate sums. The forward walk, its segment summaries and the layers' backward kernels
 (``ahla_bwd_dh_kernel``, ``ahla_bwd_layer_kernel``) read beta as loads from the log-gates'
 chunk-local sums that their launcher computes first (``gc``, ``common.cumsum``;
@@ -123,7 +111,7 @@ import triton
 import triton.language as tl
 
 from ..common.tiles import (
-    cast, chunk_decays_t, decays_with_total, dot, first_walk_sums, head_row, ipow, load_cols, load_mat, load_mat_t,
+    cast, chunk_decays_t, decays_with_total, dot, first_walk_sums, head_row, load_cols, load_mat, load_mat_t,
     load_rows, load_vec, mat_or_zeros, plus_stored, read_cols, read_rows, store_mat, summed_beta, sums_offset,
     vec_or_zeros, walk_factors,
 )
@@ -287,8 +275,6 @@ def _chunk_carry(b_kt, b_v, b_r, P, E, pn, gl, gC, NORM: tl.constexpr, IS_BF16: 
     "HAS_V2": lambda a: a["v2"] is not None,
     "DIVIDE": lambda a: a["qp"] is not None,
     "DEN_IN": lambda a: a["den_in"] is not None,
-    "OUT_SUMS": lambda a: a["sum_w"] is not None,
-    "OUT_NORM": lambda a: a["sum_wn"] is not None,
 })
 @triton.jit
 def ahla_fwd_kernel(
@@ -301,9 +287,6 @@ def ahla_fwd_kernel(
     qp,                      # DIVIDE: q_t . p_c, the denominator's state at the start of t's chunk, fp32 [B, T, H]
                              #   (``common.denominator``); or None
     den_in,                  # DEN_IN: the denominator fp32 [B, T, H] from a walk of its own: o / (den_in + eps); or None
-    v_out, sum_w, sum_wn, sum_wlr,  # OUT_SUMS: the next layer's values [B, T, H, VO] and, out, its segment summaries
-                             #   with R as keys: W_s fp32 [B*H*(NSEG-1), V, VO], z_s [.., V] (OUT_NORM, else
-                             #   None), c log rho [B*H*(NSEG-1)]; all None without
     h0_p, h0_e, h0_pn,       # start state of every segment, fp32 [B*H*NSEG, K, V] x 2, [.., K] (NORM); or None
                              #   (h0_e None: zero, or not carried)
     ht_p, ht_e, ht_pn,       # out: final state [B*H, K, V] x 2, [B*H, K] (NORM); or None
@@ -320,7 +303,6 @@ def ahla_fwd_kernel(
     SCALE_ROWS: tl.constexpr, HAS_E: tl.constexpr, V2: tl.constexpr, BV2: tl.constexpr, HAS_V2: tl.constexpr,
     SAVE_PN: tl.constexpr, SUMS_AHEAD: tl.constexpr,   # read each next chunk's gate sums a step ahead
     DIVIDE: tl.constexpr, DEN_IN: tl.constexpr,
-    OUT_SUMS: tl.constexpr, OUT_NORM: tl.constexpr, VO: tl.constexpr, BVO: tl.constexpr, OUT_RATE: tl.constexpr,
 ):
     """One program per (value block, segment, batch*head) walks its segment's chunks in order,
     keeping its columns of P and E (and all of p when NORM) in fp32 registers: outputs (HAS_O),
@@ -336,13 +318,8 @@ def ahla_fwd_kernel(
     (without HAS_E or NORM, V in one block): also R2 = LA(q, k, v2) with state P2 (module docstring,
     "A second value tensor"). DEN_IN (with HAS_O): o is divided by (den_in + eps), the denominator
     a walk on the values [1 | 0 ...] stored before: AHLA's normalized forward is two such walks
-    (``ahla_fwd`` in chunk.py), so that neither carries a normalizer. OUT_SUMS (a first layer alone,
-    STORE_R, unnormalized, without V2): also the next layer's segment summaries, R as its keys and
-    v_out as its values at OUT_RATE times this walk's decay (module docstring, "The next layer's
-    segment summaries"); each program stores the rows of W_s (and z_s) its value block of R gives."""
+    (``ahla_fwd`` in chunk.py), so that neither carries a normalizer."""
     tl.static_assert(not (NORM and HAS_E), "only a first layer alone (no E) is normalized in the walk")
-    tl.static_assert(not OUT_SUMS or (STORE_R and not (HAS_E or NORM or DIVIDE or HAS_V2)),
-                     "the next layer's summaries come from an unnormalized first layer alone that stores R")
     # -- which piece of work this program owns ---------------------------------------------
     i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NSEG = tl.num_programs(1)
@@ -373,17 +350,7 @@ def ahla_fwd_kernel(
     else:
         P2 = 0.0
 
-    # the next layer's values' columns, head offset and summary W_s^T, z_s, log rho (OUT_SUMS)
-    rvo = tl.arange(0, BVO)
-    mvo = rvo < VO
-    off_vo = off_g * VO
-    WoT = tl.zeros([BVO, BV], dtype=tl.float32)        # W_s^T: rows V_out, columns this block of R
-    zo = tl.zeros([BV], dtype=tl.float32)
-    log_rho = 0.0
-
     end = tl.minimum(hi * BT, T)                       # first token past the segment
-    # OUT_SUMS reads no values in the last segment, whose summary no fold reads (it forms zeros there)
-    end_o = tl.where(i_n < NSEG - 1, end, 0)
     n_q, n_kt, n_v = _first_loads(q, k, v, off_k, off_v, lo * BT + rt, lo * BT + rt < end, rk, mk, rv, mv, H, K, V,
                                   True, PREFETCH)
     n_v2 = _first_values2(v2, off_v2, lo * BT + rt, lo * BT + rt < end, rv2, mv2, H, V2, HAS_V2, PREFETCH)
@@ -397,8 +364,6 @@ def ahla_fwd_kernel(
                                                      rk, mk, rv, mv, H, K, V, True, IS_BF16, PREFETCH)
         b_v2, n_v2 = _step_values2(v2, n_v2, off_v2, t, mt, t + BT, t + BT < end, rv2, mv2, H, V2, IS_BF16, HAS_V2,
                                    PREFETCH)
-        if OUT_SUMS:   # read here, used after the chunk's first products: their time covers its latency
-            b_vot = load_cols(v_out + off_vo, t, t < end_o, rvo, mvo, H * VO, IS_BF16)  # V_out^T [BVO, BT]
         G, g1, g2, gl, gC, bL, n_beta, n_bL = walk_factors(
             gc, off_gc, n_beta, n_bL, i_c * BT, i_c * BT + BT, lo * BT, hi * BT, log_gamma, mt, BT, HAS_G, HAS_DECAY,
             SUMS_AHEAD)
@@ -425,14 +390,6 @@ def ahla_fwd_kernel(
                 b_ro = b_r
             tl.store(r + off_v + t[:, None] * (H * V) + rv[None, :], b_ro.to(r.dtype.element_ty),
                      mask=mt[:, None] & mv[None, :])
-        # -- the next layer's summary: W^T <- gC^c W^T + V_out^T (diag(gl^c) R), R as stored -----
-        if OUT_SUMS:
-            gC_o = ipow(gC, OUT_RATE)
-            b_rg = b_r.to(r.dtype.element_ty).to(tl.float32) * ipow(gl, OUT_RATE)[:, None]   # [BT, BV]
-            WoT = WoT * gC_o + dot(b_vot, b_rg, IS_BF16, PREC)                               # [BVO, BV]
-            if OUT_NORM:
-                zo = zo * gC_o + tl.sum(b_rg, axis=0)                                      # [BV]
-            log_rho += bL
         # -- the second values: R2 = diag(g1) Q P2_0 + A V2 ------------------------------------
         if HAS_V2:
             b_r2 = dot(b_q, P2, IS_BF16, PREC) * g1[:, None] + dot(b_a, b_v2, IS_BF16, PREC)   # [BT, BV2]
@@ -462,15 +419,6 @@ def ahla_fwd_kernel(
             if NORM:
                 if i_v == 0:
                     tl.store(ht_pn + i_bh * K + rk, pn, mask=mk)
-    if OUT_SUMS:
-        if i_n < NSEG - 1:   # no fold reads the last segment's summary
-            i_sm = i_bh.to(tl.int64) * (NSEG - 1) + i_n
-            # W_s [V, VO]: this block's rows rv, stored from W_s^T
-            tl.store(sum_w + i_sm * V * VO + rv[None, :] * VO + rvo[:, None], WoT, mask=mvo[:, None] & mv[None, :])
-            if OUT_NORM:
-                tl.store(sum_wn + i_sm * V + rv, zo, mask=mv)
-            if i_v == 0:
-                tl.store(sum_wlr + i_sm, OUT_RATE * log_rho)
 
 
 @triton.heuristics({
@@ -586,18 +534,15 @@ def ahla_fwd_fold_kernel(
     sum_p, sum_e, sum_pn, sum_r, sum_lr,  # segment summaries (ahla_fwd_summary_kernel)
     h0_p, h0_e, h0_pn,                   # state before the sequence [B*H, ..] or None
     seg_p, seg_e, seg_pn,                # out: state at each segment's start [B*H*NSEG, ..]
-    NSUM,                                # summaries per head: SPLIT for each segment but the last
+    NSEG,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PREC: tl.constexpr, HAS_INIT: tl.constexpr, NORM: tl.constexpr, HAS_E: tl.constexpr,
-    SPLIT: tl.constexpr,                 # summaries a segment (``ChunkConfig.fwd_summary_split``)
 ):
     """Fold the segment summaries in order (the combine of ``hla_ref.ahla_combine``): with
     rho = exp(log rho),  E <- rho E + rho R_seg P + E_seg,  P <- rho P + P_seg  (E only with
-    HAS_E; p as P with NORM, a first layer alone). The summaries ([B*H, NSUM, ..],
-    ``ahla_fwd_summary_kernel``) are of pieces SPLIT to a segment, over every segment but the last
-    (NSEG = NSUM / SPLIT + 1); the fold stores the state where each segment starts, before every
-    SPLIT-th piece and after the last."""
-    NSEG = NSUM // SPLIT + 1
+    HAS_E; p as P with NORM, a first layer alone). Stores the start state of each of the NSEG
+    segments; the summaries are the first NSEG - 1 segments' ([B*H, NSEG - 1, ..],
+    ``ahla_fwd_summary_kernel``)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     rk = tl.arange(0, BK)
     rv = i_v * BV + tl.arange(0, BV)
@@ -610,11 +555,10 @@ def ahla_fwd_fold_kernel(
         pn = vec_or_zeros(h0_pn, i_bh.to(tl.int64) * K, rk, mk, BK, HAS_INIT)
     else:
         pn = 0.0
-    for i_s in range(0, NSUM):
-        if i_s % SPLIT == 0:   # a segment starts here
-            _store_start(seg_p, seg_e, seg_pn, i_bh.to(tl.int64) * NSEG + i_s // SPLIT, P, E, pn, i_v, rk, mk, rv,
-                         mv, K, V, NORM, HAS_E)
-        i_sm = i_bh.to(tl.int64) * NSUM + i_s                # piece i_s's summary
+    for i_s in range(0, NSEG - 1):
+        _store_start(seg_p, seg_e, seg_pn, i_bh.to(tl.int64) * NSEG + i_s, P, E, pn, i_v, rk, mk, rv, mv, K, V,
+                     NORM, HAS_E)
+        i_sm = i_bh.to(tl.int64) * (NSEG - 1) + i_s          # segment i_s's summary
         rho = tl.exp(tl.load(sum_lr + i_sm))
         if HAS_E:
             b_r = load_mat(sum_r + i_sm * K * K, rk, mk, rk, mk, K)

@@ -109,16 +109,6 @@ class ChunkConfig:
         denominator's state at every chunk's end from passes of their own (the same two passes run
         from the last chunk, ``common/denominator.py``); its state-gradient walk then carries dW
         alone. Needs ``layers``; changes nothing unnormalized. HLA2 only.
-    fwd_outer_sums: with ``layers`` and forward walks of more than one segment, the inner layer's
-        walk also forms the outer layer's segment summaries from the K' it computes (and the values
-        V, which it reads for them), so that the outer layer folds them without a summary pass of
-        its own (``ahla_fwd_kernel``'s OUT_SUMS). Needs ``layers``. HLA2, and HLA3's second stage
-        where its first-order layers do not share a walk.
-    fwd_summary_split: the forward's segment summaries (AHLA's first-order walks: ``ahla``, ``hla3``'s
-        first stage, the layers) are formed over pieces this many times shorter than the walk's
-        segments, in that many times more programs, and folded into the segments' start states; the
-        walk's segments are then whole numbers of those pieces (``common.launch.summary_segments``).
-        1: a summary a segment. Refused by HLA2's fused kernels.
     """
 
     fwd_chunk: int = 64
@@ -145,15 +135,13 @@ class ChunkConfig:
     fwd_shared_walk: bool = False
     fwd_den_pass: bool = False
     bwd_den_pass: bool = False
-    fwd_outer_sums: bool = False
-    fwd_summary_split: int = 1
 
     def __post_init__(self):
         for name, choices in _CHOICES.items():
             x = getattr(self, name)
             if type(x) is not int or x not in choices:
                 raise ValueError(f"config.{name} must be one of {choices}, got {x!r}")
-        for name in ("fwd_segments", "bwd_segments", "bwd_pieces", "fwd_summary_split"):
+        for name in ("fwd_segments", "bwd_segments", "bwd_pieces"):
             x = getattr(self, name)
             if isinstance(x, bool) or not isinstance(x, int) or x < 1:
                 raise ValueError(f"config.{name} must be an int >= 1, got {x!r}")
@@ -174,7 +162,7 @@ class ChunkConfig:
         if sorted(b for m in parts for b in (1, 2, 4) if m & b) != [1, 2, 4]:
             raise ValueError(f"config.grad_parts must cover dq (1), dk (2) and dv (4) once each, got {parts!r}")
         for name in ("save_states", "bf16_snapshots", "fwd_prefetch", "bwd_prefetch", "bwd_layers", "fwd_output_pass",
-                     "fwd_two_walks", "layers", "fwd_shared_walk", "fwd_den_pass", "bwd_den_pass", "fwd_outer_sums"):
+                     "fwd_two_walks", "layers", "fwd_shared_walk", "fwd_den_pass", "bwd_den_pass"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"config.{name} must be True or False, got {getattr(self, name)!r}")
         rb = self.fwd_row_blocks
@@ -192,9 +180,6 @@ class ChunkConfig:
             if getattr(self, name) and not self.layers:
                 raise ValueError(f"config.{name} needs config.layers (it is how hla2's outer first-order layer forms "
                                  f"its denominator), got layers=False")
-        if self.fwd_outer_sums and not self.layers:
-            raise ValueError("config.fwd_outer_sums needs config.layers (the inner first-order layer's walk forms the "
-                             "outer layer's summaries), got layers=False")
         if self.fwd_shared_walk and not self.layers:
             raise ValueError("config.fwd_shared_walk needs config.layers (it runs two of hla3's first-order layers in "
                              "one walk), got layers=False")
@@ -254,14 +239,11 @@ def refuse_den_pass(cfg: ChunkConfig, op: str) -> None:
 
 def refuse_ahla_fields(cfg: ChunkConfig, op: str) -> None:
     """Refuse the fields only AHLA's kernels take for another operator: ``fwd_prefetch`` /
-    ``bwd_prefetch`` (its walks do not load ahead), ``bwd_layers`` (its backward is not two
-    first-order ones) and ``fwd_summary_split`` (its segment summaries are its own kernels')."""
+    ``bwd_prefetch`` (its walks do not load ahead) and ``bwd_layers`` (its backward is not two
+    first-order ones)."""
     if cfg.fwd_prefetch or cfg.bwd_prefetch:
         raise ValueError(f"config.fwd_prefetch and config.bwd_prefetch must be False for {op} (its walks do not load "
                          f"ahead; ahla's do), got {cfg.fwd_prefetch} and {cfg.bwd_prefetch}")
     if cfg.bwd_layers:
         raise ValueError(f"config.bwd_layers must be False for {op} (its backward is not two first-order layers; "
                          f"ahla's is), got True")
-    if cfg.fwd_summary_split != 1:
-        raise ValueError(f"config.fwd_summary_split must be 1 for {op} (its forward's segment summaries are its own "
-                         f"kernels'; ahla's first-order walks split theirs), got {cfg.fwd_summary_split}")

@@ -175,13 +175,3 @@ def split_segments(n_chunks: int, segments: int):
     segments = max(1, min(int(segments), n_chunks))
     per = cdiv(n_chunks, segments)
     return per, cdiv(n_chunks, per)
-
-
-def summary_segments(n_chunks: int, segments: int, split: int = 1):
-    """(chunks per segment, segments, chunks per summary piece) of a forward walk in ``segments``
-    whose summaries are formed over pieces ``split`` times shorter (``ChunkConfig.fwd_summary_split``):
-    the pieces are :func:`split_segments`' for ``segments * split``, and a segment is ``split`` of
-    them, so that every segment starts where a piece does. ``split`` 1: :func:`split_segments`."""
-    piece = split_segments(n_chunks, segments * split)[0]
-    per = piece * split
-    return per, cdiv(n_chunks, per), piece

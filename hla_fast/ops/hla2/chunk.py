@@ -47,9 +47,7 @@ import functools
 import torch
 
 from ..common.compile import compile_ahead, launch_kernel
-from ..ahla.chunk import (
-    ahla_config, layer_bwd, layer_fwd, next_layer_sums, normalized_layer_bwd, normalized_layer_fwd,
-)
+from ..ahla.chunk import ahla_config, layer_bwd, layer_fwd, normalized_layer_bwd, normalized_layer_fwd
 from ..common.autograd import autograd_records, kernel_backward
 from ..common.config import DEFAULT_CHUNK, ChunkConfig, chunk_or_default, refuse_ahla_fields, refuse_shared_walk
 from ..common.cumsum import GateSums
@@ -119,10 +117,7 @@ def hla2_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     so that its walk carries dW alone: a training call 5.20 -> 5.06 ms, 5.73 -> 5.51 gated; at 128
     it took as long (13.42 against 13.47 ms, 14.01 against 13.88 gated) and keeps the walk carrying
     dz (``hla2_h100_ab_bwd_den_pass{,_gates}.json``; the numbers and the commands in
-    hla_fast/README.md, "The configuration rule"). The inner walk forming the outer layer's
-    segment summaries (``fwd_outer_sums``) is not taken: slower normalized and gated, within a
-    forward timing's spread plain (``hla2_h100_ab_outer_sums{,_normalize,_no_prefetch_gates}.json``).
-    The result is immutable, so it is cached."""
+    hla_fast/README.md, "The configuration rule"). The result is immutable, so it is cached."""
     wide = K > TILE_MAX   # in key blocks (normalized on [v | 1]: no NORM walks)
     if takes_layers(T, K, V, dtype, False, training):
         width = max(b - a for a, b in key_blocks(K))
@@ -685,29 +680,17 @@ def layers_fwd(q, k, v, g, gamma, s0t, w0, cfg: ChunkConfig, rate, keep, launch)
     keep: also both layers' chunk-start states at ``cfg.fwd_chunk`` for :func:`layers_bwd`.
     Returns (o [B,T,H,V] in v's dtype, S_T, W_T fp32, K' [B,T,H,K] in q's dtype, cs_s, cs_w (each
     [B*H, NT, K, .] or None))."""
-    # -- inner layer: K' = LA(Q, K, K) from S0 (and, with cfg.fwd_outer_sums, the outer's summaries)
-    kp, sT, cs_s, sums = inner_layer_fwd(q, k, v, g, gamma, s0t, cfg, rate, keep, launch)
-    o, wT, cs_w = outer_layer_fwd(q, kp, v, g, gamma, w0, cfg, rate, keep, launch, summaries=sums)
+    # -- inner layer: K' = LA(Q, K, K) from S0 ---------------------------------------------------
+    kp, sT, cs_s = layer_fwd(q, k, k, g, gamma, s0t, cfg, keep_states=keep, launch=launch)
+    o, wT, cs_w = outer_layer_fwd(q, kp, v, g, gamma, w0, cfg, rate, keep, launch)
     return o, transposed(sT), wT, kp, cs_s, cs_w
 
 
-def inner_layer_fwd(q, k, v, g, gamma, s0t, cfg: ChunkConfig, rate, keep, launch, normalize=False):
-    """The inner layer of :func:`layers_fwd`, K' = LA(Q, K, K; g) from S0^T. With
-    ``cfg.fwd_outer_sums`` its walk also forms the segment summaries of the outer layer
-    LA(Q, K', V; (1 + rate) g) (with z's when ``normalize`` and the outer walk carries z, i.e.
-    without ``cfg.fwd_den_pass``), for ``outer_layer_fwd``'s summaries (None where the layout walks
-    one segment or the config does not ask). Returns (K', S_T^T, cs_s or None, summaries or None)."""
-    sums = next_layer_sums(v, k.shape[-1], cfg, normalize and not cfg.fwd_den_pass) if cfg.fwd_outer_sums else None
-    kp, sTt, cs_s = layer_fwd(q, k, k, g, gamma, s0t, cfg, keep_states=keep, launch=launch,
-                              next_layer=None if sums is None else (v, 1 + rate, sums))
-    return kp, sTt, cs_s, sums
-
-
-def outer_layer_fwd(q, kp, v, g, gamma, w0, cfg: ChunkConfig, rate, keep, launch, summaries=None):
-    """The outer layer of :func:`layers_fwd`, O = LA(Q, K', V; (1 + rate) g) from W0, its segment
-    summaries formed by the inner walk where given (``layer_fwd``'s returns: o, W_T, cs_w or None)."""
+def outer_layer_fwd(q, kp, v, g, gamma, w0, cfg: ChunkConfig, rate, keep, launch):
+    """The outer layer of :func:`layers_fwd`, O = LA(Q, K', V; (1 + rate) g) from W0 (``layer_fwd``'s
+    returns: o, W_T, cs_w or None)."""
     g_out, gamma_out = outer_decay(g, gamma, rate)
-    return layer_fwd(q, kp, v, g_out, gamma_out, w0, cfg, keep_states=keep, summaries=summaries, launch=launch)
+    return layer_fwd(q, kp, v, g_out, gamma_out, w0, cfg, keep_states=keep, launch=launch)
 
 
 def recompute_layout(cfg: ChunkConfig) -> ChunkConfig:
@@ -923,10 +906,10 @@ class HLA2LayersFunction(torch.autograd.Function):
         sums = None if g is None else GateSums(g, launch=launch)   # both layers' sums, shared with the backward
         den = zT = cs_z = None
         if normalize:   # (rate 1: checked by _layers_call)
-            kp, sT, cs_s, outer = inner_layer_fwd(q, k, v, sums, gamma, s0t, cfg, rate, keep, launch, normalize=True)
+            kp, sT, cs_s = layer_fwd(q, k, k, sums, gamma, s0t, cfg, keep_states=keep, launch=launch)
             g_out, gamma_out = outer_decay(sums, gamma, rate)
             o, den, wT, zT, cs_w, cs_z = normalized_layer_fwd(q, kp, v, g_out, gamma_out, w0, z0, eps, cfg,
-                                                              keep_states=keep, summaries=outer, launch=launch)
+                                                              keep_states=keep, launch=launch)
             sT = transposed(sT)
         else:
             o, sT, wT, kp, cs_s, cs_w = layers_fwd(q, k, v, sums, gamma, s0t, w0, cfg, rate, keep, launch)

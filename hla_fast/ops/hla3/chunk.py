@@ -148,7 +148,7 @@ def stage_configs(config) -> tuple[ChunkConfig, ChunkConfig]:
 
 def first_of_layers(cfg2: ChunkConfig) -> ChunkConfig:
     """The first stage's layout when the second runs as layers (``cfg2``): the same walk, one layer."""
-    return cfg2.replace(layers=False, fwd_shared_walk=False, fwd_outer_sums=False)
+    return cfg2.replace(layers=False, fwd_shared_walk=False)
 
 
 def first_stage_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: torch.device,
