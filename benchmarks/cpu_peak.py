@@ -25,7 +25,6 @@ default; large buffers a CPU allocates but never touches cost no memory).
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
 import json
 import os
@@ -41,6 +40,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))   # the scripts beside this one
 from ab_revision import extract, rule_config  # noqa: E402
 from config_arg import DTYPES, HELP, config_changes  # noqa: E402
+from records import stamp, write_record  # noqa: E402
 
 
 def peak_bytes(fn) -> int:
@@ -133,15 +133,12 @@ def main():
         top = peak_bytes(run)
         rows.append({"code": label, "peak_bytes": top, "peak_units": top / unit, "config": repr(cfg)})
         print({n: rows[-1][n] for n in ("code", "peak_bytes", "peak_units")}, flush=True)
-    res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "versions": {"torch": torch.__version__, "python": platform.python_version()},
-           "op": args.op, "rev": args.rev,
+    res = {**stamp(f"CPU ({platform.processor() or platform.machine()})"), "op": args.op, "rev": args.rev,
            "shape": {"B": B, "T": T, "H": H, "K": K, "V": V, "dtype": DTYPES[args.dtype]},
            "gates": args.gates, "normalize": args.normalize, "config": args.config, "unit_bytes": unit,
            "rows": rows}
     if args.out:
-        pathlib.Path(args.out + ".json").write_text(json.dumps(res, indent=1) + "\n")
-        pathlib.Path(args.out + ".md").write_text(render_markdown(res))
+        write_record(args.out, res, render_markdown)
 
 
 if __name__ == "__main__":
